@@ -1,0 +1,282 @@
+"""The colocated vLLM engine: one ``vllm.LLM`` in this process, and the state it is in.
+
+vLLM hangs forever if asked to generate while asleep, serves garbage after a
+level-2 sleep until weights are pushed, and differs between versions in small
+ways. :class:`Engine` tracks its state, refuses what would hang or mislead, and
+keeps every version and platform difference in this module.
+
+It exposes the subset of ``vllm.LLM`` that TRL's ``VLLMGeneration`` calls
+(``generate``, ``sleep``, ``wake_up``, ``reset_prefix_cache``, ``llm_engine``),
+so TRL's generation code drives it unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import logging
+import os
+import random
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from colocate_grpo.config import VLLMConfig
+
+logger = logging.getLogger(__name__)
+
+# In-process engine: no EngineCore subprocess, so weights can be written directly and nothing is left behind.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+class EngineStateError(RuntimeError):
+    """An engine call that would hang, or silently use stale or discarded weights."""
+
+
+class Weights(enum.Enum):
+    """Where the engine's weights are and whether they can be trusted."""
+
+    RESIDENT = "resident"  # on the device and current
+    OFFLOADED = "offloaded"  # level-1 sleep: copied to CPU memory, restored by wake_up
+    DISCARDED = "discarded"  # level-2 sleep: gone; wake_up maps memory but the contents are garbage
+    GARBAGE = "awake, not loaded"  # woken after a level-2 sleep; load_weights must run before generating
+
+
+@dataclass(frozen=True)
+class EngineState:
+    weights: Weights
+    kv_cache_awake: bool
+
+    @property
+    def ready(self) -> bool:
+        """True when generate() may run."""
+        return self.weights is Weights.RESIDENT and self.kv_cache_awake
+
+    def __str__(self) -> str:
+        return f"weights {self.weights.value}, KV cache {'awake' if self.kv_cache_awake else 'asleep'}"
+
+
+_live_engine: weakref.ref[Engine] | None = None
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class Engine:
+    """A vLLM engine inside this process that sleeps while the trainer trains.
+
+    Args:
+        model_path: HF model directory (or hub id) holding the base weights.
+        options: the ``vllm:`` block of the config.
+        dtype: torch dtype name used when ``options.dtype`` is ``auto`` (the training dtype).
+        max_num_seqs: largest number of sequences generated at once.
+        seed: sampling seed; the caller's global RNG states are preserved across engine creation.
+
+    Only one engine lives in a process: creating a second closes the first (vLLM
+    allows one sleep-enabled engine per process).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        options: VLLMConfig,
+        dtype: str = "bfloat16",
+        max_num_seqs: int | None = None,
+        seed: int = 0,
+        quantization: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        global _live_engine
+        previous = _live_engine() if _live_engine is not None else None
+        if previous is not None:
+            logger.info("Closing the previous colocated engine before starting a new one.")
+            previous.close()
+
+        self.options = options
+        self.cpu = on_cpu()
+        self.sleep_mode = not self.cpu
+        if self.cpu:
+            logger.warning(
+                "vLLM sleep mode is not available on CPU: the engine keeps its memory while the trainer "
+                "trains (its state is still tracked, and generating while asleep is still refused)."
+            )
+            # vLLM drops torch to one thread on CPU unless OMP_NUM_THREADS is set, which would slow training.
+            os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+
+        from vllm import LLM
+
+        with _preserved_rng_and_threads():
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype if options.dtype == "auto" else options.dtype,
+                gpu_memory_utilization=options.gpu_memory_utilization,
+                max_model_len=options.max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max(4096, options.max_model_len or 0),
+                enforce_eager=options.enforce_eager,
+                enable_prefix_caching=options.enable_prefix_caching,
+                enable_sleep_mode=self.sleep_mode,
+                # Logprobs of the distribution actually sampled (after temperature, top-k/p): TRL's
+                # importance-sampling correction compares them with the trainer's.
+                logprobs_mode="processed_logprobs",
+                quantization=quantization,
+                trust_remote_code=trust_remote_code,
+                seed=seed,
+            )
+        self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
+        _live_engine = weakref.ref(self)
+
+    # --- state -------------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def closed(self) -> bool:
+        return self.llm is None
+
+    def _require_open(self) -> Any:
+        if self.llm is None:
+            raise EngineStateError("The engine was closed; create a new one (or a new trainer).")
+        return self.llm
+
+    def sleep(self, level: int | None = None) -> None:
+        """Free the engine's device memory: level 1 keeps a CPU copy of the weights, level 2 keeps nothing.
+
+        ``level`` defaults to the configured ``vllm.sleep_level``. Sleeping twice is a no-op.
+        """
+        llm = self._require_open()
+        level = self.options.sleep_level if level is None else level
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if not self._state.kv_cache_awake and self._state.weights in (Weights.OFFLOADED, Weights.DISCARDED):
+            return
+        if self.sleep_mode:
+            llm.sleep(level=level)
+        self._state = EngineState(Weights.OFFLOADED if level == 1 else Weights.DISCARDED, kv_cache_awake=False)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map the engine's memory back: ``tags`` is any of ``["weights", "kv_cache"]``; None wakes both."""
+        llm = self._require_open()
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights' and/or 'kv_cache'")
+        weights, kv_awake = self._state.weights, self._state.kv_cache_awake
+        wake_weights = "weights" in tags and weights in (Weights.OFFLOADED, Weights.DISCARDED)
+        wake_kv = "kv_cache" in tags and not kv_awake
+        if self.sleep_mode and (wake_weights or wake_kv):
+            llm.wake_up(tags=[t for t, on in (("weights", wake_weights), ("kv_cache", wake_kv)) if on])
+        if wake_weights:
+            weights = Weights.RESIDENT if weights is Weights.OFFLOADED else Weights.GARBAGE
+        self._state = EngineState(weights, kv_cache_awake=kv_awake or wake_kv)
+
+    # --- weights -----------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy weights, under Hugging Face names, into the engine's parameters in place.
+
+        Wakes the weights first if needed. Fused groups (q/k/v, gate/up) must arrive whole on CPU,
+        where vLLM repacks its linear layers and only reloading through the checkpoint path works.
+        """
+        llm = self._require_open()
+        self.wake_up(tags=["weights"])
+        tensors = iter(named_tensors)
+        if self.cpu:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+        else:
+            self.model.load_weights(tensors)
+        self._state = EngineState(Weights.RESIDENT, self._state.kv_cache_awake)
+        self.reset_prefix_cache()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The engine's ``nn.Module`` (vLLM parameter names, fused projections)."""
+        executor = self._require_open().llm_engine.model_executor
+        return executor.driver_worker.worker.model_runner.model
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's parameters under vLLM's names (read-only view, for checks)."""
+        return iter(self.model.named_parameters())
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes: after the weights change they describe another policy."""
+        self._require_open().reset_prefix_cache()
+
+    # --- generation --------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, use_tqdm: bool = False, **kwargs: Any) -> Any:
+        """``vllm.LLM.generate``, refused unless the engine is awake with current weights."""
+        llm = self._require_open()
+        if not self._state.ready:
+            raise EngineStateError(
+                f"Cannot generate: the engine is not ready ({self._state}); vLLM would hang or sample from "
+                "discarded weights. Call wake_up() and, after a level-2 sleep, load_weights() first."
+            )
+        return llm.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm, **kwargs)
+
+    @property
+    def llm_engine(self) -> Any:
+        return self._require_open().llm_engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm_engine.model_config.max_model_len
+
+    # --- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut the engine down and give its memory back. Safe to call twice."""
+        global _live_engine
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        _shutdown(llm)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if _live_engine is not None and _live_engine() is self:
+            _live_engine = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shutdown(llm: Any) -> None:
+    """Release an LLM's engine core and vLLM's process-wide parallel state (so another can start)."""
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+class _preserved_rng_and_threads:
+    """Creating an LLM reseeds Python, NumPy and torch RNGs and (on CPU) patches torch.set_num_threads."""
+
+    def __enter__(self) -> None:
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.set_num_threads = torch.set_num_threads
+        self.num_threads = torch.get_num_threads()
+
+    def __exit__(self, *exc: object) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.num_threads)

@@ -1,0 +1,166 @@
+"""From a validated config to the things TRL trains: model, tokenizer, dataset, rewards.
+
+Every check that can fail on user input runs here, before the model loads or
+anything is written, and raises :class:`~colocate_grpo.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from colocate_grpo.config import Config, ConfigError
+from colocate_grpo.tasks import arithmetic_dataset
+from colocate_grpo.tiny import TINY_MODEL_NAME, tiny_model_path
+
+RewardFunc = Callable[..., list[float]]
+
+
+def resolve_device(config: Config) -> str:
+    """``cuda`` or ``cpu``; ``auto`` picks cuda when a GPU is visible."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("'device: cuda' but no CUDA GPU is visible. Use 'device: auto' or 'device: cpu'.")
+    if config.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return config.device
+
+
+def training_dtype(device: str) -> torch.dtype:
+    """bf16 where the hardware has it (CPU, Ampere and newer), else fp16 (e.g. the T4)."""
+    if device == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def model_path(config: Config) -> str:
+    """The base model's directory or hub id; builds the tiny model on first use."""
+    if config.base_model == TINY_MODEL_NAME:
+        return str(tiny_model_path())
+    looks_local = config.base_model.startswith((".", "/", "~")) or Path(config.base_model).exists()
+    if looks_local and not (Path(config.base_model).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"'base_model: {config.base_model}' is not a model directory (no config.json there). "
+            "Give a Hugging Face model folder, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny'."
+        )
+    return str(Path(config.base_model).expanduser()) if looks_local else config.base_model
+
+
+def resolve_rewards(config: Config) -> list[RewardFunc]:
+    """Import each ``trl.reward_funcs`` entry (``package.module.function``)."""
+    rewards = []
+    for dotted in config.reward_funcs:
+        module_name, _, attr = dotted.rpartition(".")
+        try:
+            func = getattr(importlib.import_module(module_name), attr) if module_name else None
+        except ImportError as err:
+            raise ConfigError(
+                f"'trl.reward_funcs' entry '{dotted}': cannot import module '{module_name}' ({err}). "
+                "Give a dotted path importable from the working directory, e.g. my_rewards.correctness."
+            ) from None
+        except AttributeError:
+            func = None
+        if not callable(func):
+            raise ConfigError(
+                f"'trl.reward_funcs' entry '{dotted}' is not a function. "
+                "Give module.function, e.g. colocate_grpo.tasks.accuracy_reward."
+            )
+        rewards.append(func)
+    return rewards
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset:
+    """The prompt dataset TRL expects: a ``prompt`` column (text or chat messages) plus reward columns."""
+    if config.task == "arithmetic":
+        return arithmetic_dataset(size=config.num_prompts or 2000, seed=config.seed)
+    spec = config.dataset
+    assert spec is not None  # the validator guarantees task or dataset
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(spec.path, spec.name, split=spec.split)
+    except Exception as err:  # datasets raises many types; all mean "cannot read this"
+        raise ConfigError(f"'dataset.path: {spec.path}' could not be loaded: {err}") from None
+    for key, column in [("prompt_column", spec.prompt_column), ("answer_column", spec.answer_column)]:
+        if column is not None and column not in dataset.column_names:
+            raise ConfigError(
+                f"'dataset.{key}: {column}' is not a column of {spec.path}; its columns are "
+                f"{', '.join(dataset.column_names)}."
+            )
+    if spec.chat and not tokenizer.chat_template:
+        raise ConfigError(
+            f"'dataset.chat: true' but the tokenizer of '{config.base_model}' has no chat template. "
+            "Use an instruct model, or set 'dataset.chat: false' to send plain-text prompts."
+        )
+    if config.num_prompts is not None:
+        dataset = dataset.select(range(min(config.num_prompts, len(dataset))))
+
+    def to_prompt(row: dict) -> dict:
+        question = row[spec.prompt_column]
+        if not spec.chat:
+            prompt = f"{spec.system_prompt}\n\n{question}" if spec.system_prompt else question
+        else:
+            system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
+            prompt = [*system, {"role": "user", "content": question}]
+        out = {"prompt": prompt}
+        if spec.answer_column is not None:
+            out["answer"] = str(row[spec.answer_column])
+        return out
+
+    keep = {"prompt", "answer"}
+    return dataset.map(to_prompt, remove_columns=[c for c in dataset.column_names if c not in keep])
+
+
+def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> None:
+    """A reward that needs a keyword the dataset lacks would fail mid-run; fail now instead."""
+    available = set(dataset.column_names) | {"prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                                             "log_metric", "environments", "tools"}
+    for func in rewards:
+        for name, param in inspect.signature(func).parameters.items():
+            needed = param.default is inspect.Parameter.empty and param.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            if needed and name not in available:
+                raise ConfigError(
+                    f"Reward '{func.__module__}.{func.__qualname__}' needs a '{name}' column, but the dataset has "
+                    f"{', '.join(sorted(dataset.column_names))}. Set 'dataset.answer_column' or change the reward."
+                )
+
+
+def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
+    """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``."""
+    dtype = training_dtype(device)
+    kwargs: dict = {"dtype": dtype}
+    if config.load_in_4bit or config.load_in_8bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=config.load_in_4bit, load_in_8bit=config.load_in_8bit, bnb_4bit_compute_dtype=dtype
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if not (config.load_in_4bit or config.load_in_8bit):
+        model.to(device)
+    if config.adapter != "lora":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules="all-linear" if config.lora_target_linear else config.lora_target_modules,
+        use_dora=config.peft_use_dora,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
