@@ -36,10 +36,16 @@ class VLLMConfig:
     )
     max_model_len: int | None = field(
         default=None,
-        metadata={"help": "Prompt + completion budget in tokens. Defaults to max_prompt_length + max_completion_length."},
+        metadata={
+            "help": "Prompt + completion budget in tokens. Defaults to max_prompt_length + max_completion_length."
+        },
     )
-    enforce_eager: bool = field(default=True, metadata={"help": "Skip CUDA graph capture (faster start, slower decode)."})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "Reuse KV cache across shared prompt prefixes."})
+    enforce_eager: bool = field(
+        default=True, metadata={"help": "Skip CUDA graph capture (faster start, slower decode)."}
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "Reuse KV cache across shared prompt prefixes."}
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
         default="auto", metadata={"help": "Engine dtype; auto follows the training dtype."}
     )
@@ -91,9 +97,7 @@ class Config:
         default=None, metadata={"help": "Use at most this many prompts of the dataset (all when null)."}
     )
 
-    adapter: Literal["lora"] | None = field(
-        default="lora", metadata={"help": "lora, or null for full fine-tuning."}
-    )
+    adapter: Literal["lora"] | None = field(default="lora", metadata={"help": "lora, or null for full fine-tuning."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha; the update is scaled by alpha / r."})
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
@@ -162,7 +166,7 @@ TASK_REWARDS = {"arithmetic": "colocate_grpo.tasks.arithmetic_reward"}
 
 # Keys of the trl: block that are ours (or Axolotl's), not GRPOConfig fields.
 OWN_TRL_KEYS: dict[str, type | types.UnionType] = {
-    "reward_funcs": list,
+    "reward_funcs": list[str],
     "vllm_merge_check_interval": int,
     "vllm_lora_sync": bool,
     "vllm_sync_interval": int,
@@ -196,10 +200,10 @@ def load_config(source: str | Path | dict[str, Any] | None = None) -> Config:
     """
     if source is None:
         raw: Any = {}
-    elif isinstance(source, dict):
-        raw = source
-    else:
+    elif isinstance(source, str | Path):
         raw = _read_yaml(source)
+    else:
+        raw = source
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -225,7 +229,9 @@ def _read_yaml(source: str | Path) -> Any:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{where} is not valid YAML{at}: {problem}. Check the indentation and quoting there.") from None
+        raise ConfigError(
+            f"{where} is not valid YAML{at}: {problem}. Check the indentation and quoting there."
+        ) from None
 
 
 def _did_you_mean(key: str, known: typing.Iterable[str]) -> str:
@@ -267,6 +273,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        real_options = [o for o in options if o is not type(None)]
+        if len(real_options) == 1:
+            return _coerce(value, real_options[0], key)
         errors = []
         for option in options:
             if option is type(None):
@@ -334,35 +343,51 @@ def _check_ranges(c: Config) -> None:
         if not ok:
             raise ConfigError(f"'{key}' {message}")
 
-    require(0.0 < c.vllm.gpu_memory_utilization <= 1.0, "vllm.gpu_memory_utilization",
-            f"must be in (0, 1], got {c.vllm.gpu_memory_utilization}; 0.3 leaves most of the GPU to training.")
+    require(
+        0.0 < c.vllm.gpu_memory_utilization <= 1.0,
+        "vllm.gpu_memory_utilization",
+        f"must be in (0, 1], got {c.vllm.gpu_memory_utilization}; 0.3 leaves most of the GPU to training.",
+    )
     require(c.lora_r >= 1, "lora_r", f"must be at least 1, got {c.lora_r}.")
     require(c.lora_alpha > 0, "lora_alpha", f"must be positive, got {c.lora_alpha}.")
     require(0.0 <= c.lora_dropout < 1.0, "lora_dropout", f"must be in [0, 1), got {c.lora_dropout}.")
     require(c.learning_rate > 0, "learning_rate", f"must be positive, got {c.learning_rate}.")
     require(c.max_steps >= 1, "max_steps", f"must be at least 1, got {c.max_steps}.")
     require(c.micro_batch_size >= 1, "micro_batch_size", f"must be at least 1, got {c.micro_batch_size}.")
-    require(c.gradient_accumulation_steps >= 1, "gradient_accumulation_steps",
-            f"must be at least 1, got {c.gradient_accumulation_steps}.")
+    require(
+        c.gradient_accumulation_steps >= 1,
+        "gradient_accumulation_steps",
+        f"must be at least 1, got {c.gradient_accumulation_steps}.",
+    )
     require(c.max_prompt_length >= 1, "max_prompt_length", f"must be at least 1, got {c.max_prompt_length}.")
     require(c.logging_steps >= 1, "logging_steps", f"must be at least 1, got {c.logging_steps}.")
     require(c.save_steps >= 0, "save_steps", f"must be 0 (only at the end) or positive, got {c.save_steps}.")
     require(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", f"must be positive, got {c.num_prompts}.")
-    require(c.max_completion_length >= 1, "trl.max_completion_length",
-            f"must be at least 1, got {c.max_completion_length}.")
+    require(
+        c.max_completion_length >= 1, "trl.max_completion_length", f"must be at least 1, got {c.max_completion_length}."
+    )
     interval = c.trl_settings["vllm_merge_check_interval"]
     require(interval >= 0, "trl.vllm_merge_check_interval", f"must be 0 (off) or positive, got {interval}.")
     num_generations = c.trl_settings["num_generations"]
-    require(num_generations >= 2, "trl.num_generations",
-            f"must be at least 2 (GRPO compares completions of one prompt), got {num_generations}.")
+    require(
+        num_generations >= 2,
+        "trl.num_generations",
+        f"must be at least 2 (GRPO compares completions of one prompt), got {num_generations}.",
+    )
     batch = c.micro_batch_size * c.gradient_accumulation_steps
-    require(batch % num_generations == 0, "micro_batch_size",
-            f"x gradient_accumulation_steps ({batch}) must be a multiple of trl.num_generations "
-            f"({num_generations}): each prompt's completions are scored as a group.")
+    require(
+        batch % num_generations == 0,
+        "micro_batch_size",
+        f"x gradient_accumulation_steps ({batch}) must be a multiple of trl.num_generations "
+        f"({num_generations}): each prompt's completions are scored as a group.",
+    )
     if c.vllm.max_model_len is not None:
-        require(c.vllm.max_model_len >= c.max_prompt_length + c.max_completion_length, "vllm.max_model_len",
-                f"({c.vllm.max_model_len}) is below max_prompt_length + trl.max_completion_length "
-                f"({c.max_prompt_length} + {c.max_completion_length}); raise it or shorten those.")
+        require(
+            c.vllm.max_model_len >= c.max_prompt_length + c.max_completion_length,
+            "vllm.max_model_len",
+            f"({c.vllm.max_model_len}) is below max_prompt_length + trl.max_completion_length "
+            f"({c.max_prompt_length} + {c.max_completion_length}); raise it or shorten those.",
+        )
 
 
 def _check_combinations(c: Config) -> None:
@@ -386,8 +411,12 @@ def _check_combinations(c: Config) -> None:
             "(full fine-tuning trains the bf16 weights themselves)."
         )
     if c.lora_merge_aware:
-        for key, on in [("peft_use_dora", c.peft_use_dora), ("load_in_4bit", c.load_in_4bit),
-                        ("load_in_8bit", c.load_in_8bit), ("trl.vllm_lora_sync", c.trl.get("vllm_lora_sync"))]:
+        for key, on in [
+            ("peft_use_dora", c.peft_use_dora),
+            ("load_in_4bit", c.load_in_4bit),
+            ("load_in_8bit", c.load_in_8bit),
+            ("trl.vllm_lora_sync", c.trl.get("vllm_lora_sync")),
+        ]:
             if on:
                 raise ConfigError(
                     f"'lora_merge_aware: {c.lora_merge_aware}' cannot be combined with '{key}: true': merge-aware "
@@ -412,8 +441,9 @@ def _check_trl_block(trl: dict[str, Any]) -> None:
         if key in _SERVER_KEYS:
             raise ConfigError(f"'trl.{key}' is a server-mode setting; colocate_grpo runs vLLM in-process. Remove it.")
         if key not in known:
-            raise ConfigError(f"Unknown key 'trl.{key}'.{_did_you_mean(key, known)} "
-                              "The trl: block takes TRL GRPOConfig fields.")
+            raise ConfigError(
+                f"Unknown key 'trl.{key}'.{_did_you_mean(key, known)} The trl: block takes TRL GRPOConfig fields."
+            )
         _coerce(value, OWN_TRL_KEYS.get(key) or hints[key], f"trl.{key}")
     if trl.get("use_vllm") is False:
         raise ConfigError("'trl.use_vllm: false' is not supported: colocate_grpo generates with vLLM. Remove it.")

@@ -125,12 +125,22 @@ def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset
 
 def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> None:
     """A reward that needs a keyword the dataset lacks would fail mid-run; fail now instead."""
-    available = set(dataset.column_names) | {"prompts", "completions", "completion_ids", "trainer_state", "log_extra",
-                                             "log_metric", "environments", "tools"}
+    available = set(dataset.column_names) | {
+        "prompts",
+        "completions",
+        "completion_ids",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+        "environments",
+        "tools",
+    }
     for func in rewards:
         for name, param in inspect.signature(func).parameters.items():
             needed = param.default is inspect.Parameter.empty and param.kind in (
-                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY,
+            )
             if needed and name not in available:
                 raise ConfigError(
                     f"Reward '{func.__module__}.{func.__qualname__}' needs a '{name}' column, but the dataset has "
@@ -140,6 +150,11 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
 
 def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
     """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``."""
+    if config.lora_merge_aware:
+        raise ConfigError(
+            f"'lora_merge_aware: {config.lora_merge_aware}' is not available in this version yet; remove it to train "
+            "ordinary LoRA (the merged-sync rounding then applies)."
+        )
     dtype = training_dtype(device)
     kwargs: dict = {"dtype": dtype}
     if config.load_in_4bit or config.load_in_8bit:

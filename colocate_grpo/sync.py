@@ -28,9 +28,7 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     Yields (name, tensor) in the model's parameter order, so fused groups (q, k, v; gate, up)
     arrive together. Merged tensors are fresh; the others are the trainer's own (read only).
     """
-    lora_layers = {
-        name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)
-    }
+    lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     for name, param in model.named_parameters():
         if ".lora_" in name:
             continue

@@ -37,9 +37,7 @@ _RECIPE = {
     "seed": 0,
 }
 _EOS = "<|endoftext|>"
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-)
+_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def cache_dir() -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
@@ -75,6 +76,55 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
     )
 
 
+class _RewardProgress(ProgressCallback):
+    """transformers' progress bar, with the reward in its postfix instead of a printed dict per log."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **_: Any) -> None:
+        if self.training_bar is not None and logs and REWARD_KEY in logs:
+            self.training_bar.set_postfix(reward=f"{logs[REWARD_KEY]:.3f}", refresh=False)
+
+
+def build_trainer(config: Config | str | Path | dict | None = None, callbacks: list | None = None) -> Any:
+    """A ready :class:`~colocate_grpo.trainer.ColocateGRPOTrainer` for ``config``; nothing written yet.
+
+    The trainer carries ``metrics`` (a :class:`MetricsLog`) and ``run_config``. Call ``trainer.close()``
+    (or use it as a context manager) to free the engine.
+
+    Raises:
+        ConfigError: on bad input, before any model is loaded or any file is written.
+    """
+    if not isinstance(config, Config):
+        config = load_config(default_config_path() if config is None else config)
+    from colocate_grpo import models
+
+    device = models.resolve_device(config)
+    rewards = models.resolve_rewards(config)
+    path = models.model_path(config)
+    tokenizer = models.load_tokenizer(path)
+    dataset = models.build_dataset(config, tokenizer)
+    models.check_rewards_match_dataset(rewards, dataset)
+    args = grpo_args(config, device, models.training_dtype(device))
+    model = models.load_model(config, path, device)
+    from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
+
+    metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
+    trainer = ColocateGRPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[metrics, *(callbacks or [])],
+        vllm_options=config.vllm,
+    )
+    if any(isinstance(cb, ProgressCallback) for cb in trainer.callback_handler.callbacks):
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(_RewardProgress())
+    trainer.metrics = metrics
+    trainer.run_config = config
+    return trainer
+
+
 def train(config: Config | str | Path | dict | None = None, callbacks: list | None = None) -> TrainResult:
     """Run GRPO as ``config`` says and save the adapter, the config and ``metrics.jsonl`` to output_dir.
 
@@ -85,40 +135,15 @@ def train(config: Config | str | Path | dict | None = None, callbacks: list | No
     Raises:
         ConfigError: on bad input, before any model is loaded or any file is written.
     """
-    if not isinstance(config, Config):
-        config = load_config(default_config_path() if config is None else config)
-    from colocate_grpo import models
-    from colocate_grpo.trainer import ColocateGRPOTrainer
-
     started = time.perf_counter()
-    device = models.resolve_device(config)
-    rewards = models.resolve_rewards(config)
-    path = models.model_path(config)
-    tokenizer = models.load_tokenizer(path)
-    dataset = models.build_dataset(config, tokenizer)
-    models.check_rewards_match_dataset(rewards, dataset)
-    args = grpo_args(config, device, models.training_dtype(device))
-    model = models.load_model(config, path, device)
-
-    output_dir = Path(config.output_dir)
-    metrics = MetricsLog(output_dir / "metrics.jsonl")
-    trainer = ColocateGRPOTrainer(
-        model=model,
-        reward_funcs=rewards,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[metrics, *(callbacks or [])],
-        vllm_options=config.vllm,
-    )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-    (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    try:
+    with build_trainer(config, callbacks) as trainer:
+        config, metrics = trainer.run_config, trainer.metrics
+        output_dir = Path(config.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        metrics.path.unlink(missing_ok=True)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         trainer.train()
         trainer.save_model(str(output_dir))
-    finally:
-        trainer.close()
     start, end = first_and_last_tenth([v for _, v in metrics.series(REWARD_KEY)])
     return TrainResult(output_dir, metrics, start, end, time.perf_counter() - started)
 

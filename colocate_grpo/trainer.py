@@ -79,8 +79,16 @@ class ColocateGRPOTrainer(GRPOTrainer):
             created when None.
     """
 
-    def __init__(self, model: Any, reward_funcs: Any, args: GRPOConfig, *, vllm_options: VLLMConfig | None = None,
-                 engine: Engine | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: Any,
+        args: GRPOConfig,
+        *,
+        vllm_options: VLLMConfig | None = None,
+        engine: Engine | None = None,
+        **kwargs: Any,
+    ) -> None:
         options = vllm_options or VLLMConfig()
 
         def engine_factory(generation: VLLMGeneration) -> Engine:
@@ -104,5 +112,11 @@ class ColocateGRPOTrainer(GRPOTrainer):
         return self.vllm_generation.engine
 
     def close(self) -> None:
-        """Shut the engine down and return its memory."""
+        """Shut the engine down and return its memory. Safe to call twice."""
         self.engine.close()
+
+    def __enter__(self) -> ColocateGRPOTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

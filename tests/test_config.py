@@ -1,0 +1,121 @@
+"""The validator on good and bad configs, and the CLI's exit codes and messages."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colocate_grpo.config import ConfigError, describe, load_config
+from colocate_grpo.train import default_config_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def error_for(raw: dict | str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(raw)
+    return str(caught.value)
+
+
+def test_packaged_default_and_examples_validate():
+    tiny = load_config(default_config_path())
+    assert tiny.base_model == "tiny" and tiny.task == "arithmetic"
+    assert tiny.reward_funcs == ["colocate_grpo.tasks.arithmetic_reward"]
+    examples = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(examples) >= 2
+    for path in examples:
+        load_config(path)
+
+
+def test_defaults_are_a_colocated_sleeping_engine():
+    config = load_config({})
+    assert config.trl_settings["vllm_mode"] == "colocate"
+    assert config.trl_settings["vllm_enable_sleep_mode"] is True
+    assert config.vllm.gpu_memory_utilization == 0.3
+
+
+def test_yaml_1_1_exponent_without_dot_is_a_number():
+    assert load_config("learning_rate: 1e-5\n").learning_rate == 1e-5
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"lora_rr": 8}, ["Unknown key 'lora_rr'", "Did you mean 'lora_r'"]),
+        ({"vllm": {"gpu_memory_utilisation": 0.3}}, ["'vllm.gpu_memory_utilisation'", "gpu_memory_utilization"]),
+        ({"trl": {"num_generation": 8}}, ["'trl.num_generation'", "num_generations"]),
+        ({"lora_r": "big"}, ["'lora_r' must be an integer", "'big'"]),
+        ({"lora_target_linear": "yes"}, ["'lora_target_linear' must be true or false"]),
+        ({"trl": {"temperature": "hot"}}, ["'trl.temperature'", "'hot'"]),
+        ({"vllm": {"gpu_memory_utilization": 1.5}}, ["'vllm.gpu_memory_utilization' must be in (0, 1]"]),
+        ({"vllm": {"max_model_len": 100}}, ["'vllm.max_model_len' (100) is below", "512 + 256"]),
+        ({"lora_merge_aware": "bf17"}, ["'lora_merge_aware' must be", "'bf16'"]),
+        ({"lora_merge_aware": "bf16", "peft_use_dora": True}, ["'peft_use_dora: true'", "Remove"]),
+        ({"lora_merge_aware": "bf16", "load_in_4bit": True}, ["'load_in_4bit: true'"]),
+        ({"lora_merge_aware": "bf16", "trl": {"vllm_lora_sync": True}}, ["'trl.vllm_lora_sync: true'"]),
+        ({"trl": {"vllm_lora_sync": True}}, ["cannot be used in colocate mode"]),
+        ({"trl": {"vllm_mode": "server"}}, ["'trl.vllm_mode: server' is not supported"]),
+        ({"trl": {"vllm_server_host": "0.0.0.0"}}, ["server-mode setting"]),
+        ({"trl": {"learning_rate": 1e-5}}, ["Set 'learning_rate' instead of 'trl.learning_rate'"]),
+        ({"micro_batch_size": 6}, ["must be a multiple of trl.num_generations (8)"]),
+        ({"trl": {"num_generations": 1}}, ["'trl.num_generations' must be at least 2"]),
+        ({"task": None}, ["Nothing to train on"]),
+        ({"task": None, "dataset": {"path": "x"}}, ["'trl.reward_funcs' is empty"]),
+        ({"dataset": {"path": "x"}}, ["Set either 'task' or 'dataset'"]),
+        ({"dataset": {"split": "train"}, "task": None}, ["Missing required key 'dataset.path'"]),
+        ({"adapter": None, "lora_merge_aware": "bf16"}, ["need 'adapter: lora'"]),
+        ([1, 2], ["must be a mapping"]),
+    ],
+)
+def test_bad_configs_name_the_key_and_the_fix(raw, expected):
+    message = error_for(raw)
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_malformed_yaml_gives_the_line():
+    message = error_for("lora_r: 8\ntrl:\n  num_generations: [8\n")
+    assert "not valid YAML" in message and "line" in message
+
+
+def test_missing_file():
+    assert "Config file not found" in error_for(Path("/nonexistent/cfg.yaml"))
+
+
+def test_reference_lists_every_key():
+    reference = describe()
+    for key in ["base_model", "lora_merge_aware", "gpu_memory_utilization", "sleep_level", "prompt_column"]:
+        assert f"`{key}`" in reference
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "colocate_grpo.train", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("lora_rr: 8\noutput_dir: out\n", "Did you mean 'lora_r'"),
+        ("output_dir: out\nvllm:\n  gpu_memory_utilization: 2\n", "vllm.gpu_memory_utilization"),
+        ("output_dir: out\ntrl: [1\n", "not valid YAML"),
+        ("output_dir: out\nbase_model: ./no/such/model\n", "not a model directory"),
+        ("output_dir: out\ntrl:\n  reward_funcs: [no_such_module.reward]\n", "cannot import module"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_message_and_writes_nothing(tmp_path, text, fragment):
+    (tmp_path / "cfg.yaml").write_text(text)
+    result = run_cli("cfg.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert fragment in result.stderr
+    assert result.stderr.startswith("colocate_grpo: config error:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_check_accepts_a_good_config(tmp_path):
+    result = run_cli("--check", str(default_config_path()), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "OK" in result.stdout

