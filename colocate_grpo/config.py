@@ -454,6 +454,16 @@ def _check_trl_block(trl: dict[str, Any]) -> None:
         )
 
 
+def _type_text(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_text(a) for a in typing.get_args(tp))
+    if isinstance(tp, type) and typing.get_origin(tp) is None:
+        return "null" if tp is type(None) else tp.__name__
+    return str(tp).replace("typing.", "")
+
+
 def describe() -> str:
     """The config reference as Markdown tables, generated from the field docs."""
     lines = []
@@ -467,7 +477,7 @@ def describe() -> str:
                 default = "see below" if dataclasses.is_dataclass(hints[f.name]) else f.default_factory()
             else:
                 default = "required"
-            type_text = str(hints[f.name]).replace("typing.", "").replace("colocate_grpo.config.", "")
+            type_text = _type_text(hints[f.name])
             lines.append(f"| `{f.name}` | `{type_text}` | `{default}` | {f.metadata.get('help', '')} |")
         lines.append("")
     return "\n".join(lines)

@@ -61,6 +61,8 @@ class EngineState:
 
 
 _live_engine: weakref.ref[Engine] | None = None
+# vLLM's sleep-mode allocator is a process-wide singleton that a closed engine leaves in use (vLLM 0.26).
+_sleep_engine_was_closed = False
 
 
 def on_cpu() -> bool:
@@ -94,14 +96,22 @@ class Engine:
         trust_remote_code: bool = False,
     ) -> None:
         global _live_engine
-        previous = _live_engine() if _live_engine is not None else None
+        previous = live_engine()
         if previous is not None:
             logger.info("Closing the previous colocated engine before starting a new one.")
             previous.close()
 
         self.options = options
+        self.model_path = model_path
+        self.dtype = dtype if options.dtype == "auto" else options.dtype
         self.cpu = on_cpu()
         self.sleep_mode = not self.cpu
+        if self.sleep_mode and _sleep_engine_was_closed:
+            raise EngineStateError(
+                "vLLM allows one sleep-mode engine per process, and this process already closed one. Restart the "
+                "Python process (in a notebook: the kernel), or keep the engine: train() leaves it asleep and the "
+                "next trainer on the same base model reuses it."
+            )
         if self.cpu:
             logger.warning(
                 "vLLM sleep mode is not available on CPU: the engine keeps its memory while the trainer "
@@ -115,7 +125,7 @@ class Engine:
         with _preserved_rng_and_threads():
             self.llm = LLM(
                 model=model_path,
-                dtype=dtype if options.dtype == "auto" else options.dtype,
+                dtype=self.dtype,
                 gpu_memory_utilization=options.gpu_memory_utilization,
                 max_model_len=options.max_model_len,
                 max_num_seqs=max_num_seqs,
@@ -229,11 +239,22 @@ class Engine:
         return self.llm_engine.model_config.max_model_len
 
     # --- lifetime ----------------------------------------------------------------------------
+    def serves(self, model_path: str, options: VLLMConfig, dtype: str) -> bool:
+        """True when this open engine was built for that base model, dtype and ``vllm:`` block."""
+        wanted = dtype if options.dtype == "auto" else options.dtype
+        return not self.closed and (self.model_path, self.options, self.dtype) == (model_path, options, wanted)
+
     def close(self) -> None:
-        """Shut the engine down and give its memory back. Safe to call twice."""
-        global _live_engine
+        """Shut the engine down and give its memory back. Safe to call twice.
+
+        With vLLM's sleep mode (GPUs) no other engine can start in this process afterwards.
+        """
+        global _live_engine, _sleep_engine_was_closed
         if self.llm is None:
             return
+        _sleep_engine_was_closed = _sleep_engine_was_closed or self.sleep_mode
+        if self.sleep_mode:
+            self.wake_up()  # vLLM frees sleeping (unmapped) allocations with a CUDA error
         llm, self.llm = self.llm, None
         _shutdown(llm)
         del llm
@@ -248,6 +269,24 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def live_engine() -> Engine | None:
+    """The open engine of this process, if any."""
+    engine = _live_engine() if _live_engine is not None else None
+    return None if engine is None or engine.closed else engine
+
+
+def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16", **kwargs: Any) -> Engine:
+    """The live engine when it serves this model, dtype and options; else a new one (closing the old).
+
+    Every sync pushes all weights, so an engine can serve one trainer after another: notebooks that
+    re-run a training cell reuse it instead of starting (and leaking) another.
+    """
+    engine = live_engine()
+    if engine is not None and engine.serves(model_path, options, dtype):
+        return engine
+    return Engine(model_path, options, dtype=dtype, **kwargs)
 
 
 def _shutdown(llm: Any) -> None:

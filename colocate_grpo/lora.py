@@ -1,17 +1,40 @@
-"""LoRA numerics: the merged weight, defined once.
+"""LoRA numerics: the merged weight, merge-aware linears, exact merges, retained-update metrics.
 
-The trainer's forward (merge-aware LoRA) and the weights sent to vLLM both call
-:func:`merged_weight`, so what vLLM serves is bit for bit what is optimized.
+Ordinary LoRA optimizes ``W + s * B @ A`` in high precision while vLLM serves
+``cast(W + s * B @ A)``: at RL learning rates most of the update rounds away in
+the cast. Merge-aware LoRA computes ``y = x @ cast(W + s * B @ A)^T + b`` in the
+forward pass, with gradients reaching A and B straight through the cast, so the
+weights vLLM serves are bit for bit the ones being optimized. Both the forward
+and the sync call :func:`merged_weight`, which is what makes them equal.
+
+Everything here is a pure function of tensors or a small nn.Module subclass; the
+wiring into trainers lives in :mod:`colocate_grpo.trainer` and :mod:`colocate_grpo.sync`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
+
+logger = logging.getLogger(__name__)
+
+MERGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def merged_weight(
-    base: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype | None = None
+    base: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``cast(W + scaling * B @ A)``, accumulated in fp32 and rounded once.
 
@@ -30,7 +53,7 @@ def merged_weight(
 
 
 def lora_factors(layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """The active adapter's (A, B, scaling) of a PEFT LoRA layer, or None when adapters are off.
+    """The active adapter's (A, B, scaling) of a PEFT LoRA layer, or None when adapters are off or merged.
 
     Raises:
         ValueError: when several adapters are active (their merge is not one A, B pair).
@@ -44,3 +67,218 @@ def lora_factors(layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor, float] |
         raise ValueError(f"Several LoRA adapters are active ({active}); activate one with set_adapter().")
     name = active[0]
     return layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+
+
+class _MergeAwareLinear(torch.autograd.Function):
+    """y = x @ cast(W + s B A)^T + b, with dL/dA and dL/dB taken as if the cast were the identity.
+
+    Saves x only (W, A, B are parameters): the merged weight is rebuilt in backward rather than
+    kept, and the A and B gradients are computed in low rank, never forming the (out, in) dL/dW.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling, dtype):  # noqa: ANN001, ANN205
+        merged = merged_weight(weight, lora_A, lora_B, scaling, dtype)
+        ctx.save_for_backward(x, weight, lora_A, lora_B)
+        ctx.scaling, ctx.dtype = scaling, dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        x, weight, lora_A, lora_B = ctx.saved_tensors
+        s = ctx.scaling
+        grad_x = grad_A = grad_B = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            merged = merged_weight(weight, lora_A, lora_B, s, ctx.dtype)
+            grad_x = (grad_out.to(ctx.dtype) @ merged).to(x.dtype)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        flat_x = x.reshape(-1, x.shape[-1]).float()
+        if ctx.needs_input_grad[3]:  # dL/dA = s * (G B)^T X
+            grad_A = (s * (flat_grad @ lora_B.float()).T @ flat_x).to(lora_A.dtype)
+        if ctx.needs_input_grad[4]:  # dL/dB = s * G^T (X A^T)
+            grad_B = (s * flat_grad.T @ (flat_x @ lora_A.float().T)).to(lora_B.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(0).to(ctx.bias_dtype)
+        return grad_x, None, grad_bias, grad_A, grad_B, None, None
+
+
+def merge_aware_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x @ cast(W + scaling * B @ A)^T + b`` in ``dtype``; see :class:`_MergeAwareLinear`.
+
+    Shapes: x (..., in), weight (out, in), lora_A (r, in), lora_B (out, r); returns (..., out).
+    """
+    return _MergeAwareLinear.apply(x, weight, bias, lora_A, lora_B, scaling, dtype)
+
+
+class MergeAwareLoraLinear(LoraLinear):
+    """PEFT's LoRA ``Linear`` whose forward uses the merged, cast weight (see module docs).
+
+    Installed by swapping the class of existing PEFT layers (:func:`install_merge_aware`), so
+    PEFT's saving, loading and adapter switching are unchanged. With adapters disabled (TRL's
+    reference pass) it is the plain base layer. With dropout it uses the residual form
+    ``x @ cast(W + sBA)^T + s * (dropout(x) - x) @ A^T @ B^T``, exact when dropout is off.
+    ``merge()`` and ``unmerge()`` restore the base weight bit-exactly.
+    """
+
+    merge_dtype: torch.dtype = torch.bfloat16
+
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        factors = lora_factors(self)
+        if factors is None:
+            return self.base_layer(x, *args, **kwargs)
+        lora_A, lora_B, scaling = factors
+        base = self.base_layer
+        result = merge_aware_linear(x, base.weight, base.bias, lora_A, lora_B, scaling, self.merge_dtype)
+        dropout = self.lora_dropout[self.active_adapters[0]]
+        if self.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0:
+            lora_x = x.to(lora_A.dtype)
+            residual = F.linear(F.linear(dropout(lora_x) - lora_x, lora_A), lora_B) * scaling
+            result = result + residual.to(result.dtype)
+        return result
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Write the merged weight into the base layer in place, keeping the original bits for unmerge."""
+        factors = lora_factors(self)
+        if factors is None:
+            return
+        weight = self.base_layer.weight
+        self._unmerged_weight = weight.detach().to("cpu", copy=True)
+        weight.data.copy_(merged_weight(weight, *factors, self.merge_dtype))
+        self.merged_adapters.extend(a for a in self.active_adapters if a in self.lora_A)
+
+    def unmerge(self) -> None:
+        """Put the exact original base weight back."""
+        if not self.merged:
+            return
+        self.base_layer.weight.data.copy_(self._unmerged_weight)
+        del self._unmerged_weight
+        self.merged_adapters.clear()
+
+
+def install_merge_aware(model: torch.nn.Module, mode: str = "bf16") -> int:
+    """Make every PEFT LoRA linear of ``model`` merge-aware in place; returns how many were converted.
+
+    Layers whose base weight is quantized (bitsandbytes, FP8) keep the ordinary forward, with a warning.
+
+    Raises:
+        ValueError: for DoRA adapters or an unknown ``mode``.
+    """
+    if mode not in MERGE_DTYPES:
+        raise ValueError(f"lora_merge_aware must be one of {sorted(MERGE_DTYPES)}, got {mode!r}")
+    converted, skipped = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if any(module.use_dora.values()):
+            raise ValueError(f"{name}: merge-aware LoRA does not support DoRA; remove use_dora or lora_merge_aware.")
+        weight = getattr(module.get_base_layer(), "weight", None)
+        plain = (
+            type(module) is LoraLinear
+            and weight is not None
+            and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        )
+        if not plain:
+            skipped.append(name)
+            continue
+        module.__class__ = MergeAwareLoraLinear
+        module.merge_dtype = MERGE_DTYPES[mode]
+        converted += 1
+    if skipped:
+        logger.warning(
+            "Merge-aware LoRA left %d layers on the ordinary forward (quantized or non-linear base): %s",
+            len(skipped),
+            ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""),
+        )
+    return converted
+
+
+def lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, LoraLayer]]:
+    """(name, layer) of every PEFT LoRA layer of a model, in module order."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield name, module
+
+
+@contextlib.contextmanager
+def temporarily_merged(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Merge every LoRA layer into its base weight in place; restore the base weights bit-exactly on exit.
+
+    Restores on any exit, an exception or KeyboardInterrupt included. Each layer's original weight
+    is kept on the CPU while merged. Works on ordinary and merge-aware layers alike.
+    """
+    originals: dict[str, torch.Tensor] = {}
+    try:
+        with torch.no_grad():
+            for name, layer in lora_layers(model):
+                factors = lora_factors(layer)
+                if factors is None:
+                    continue
+                weight = layer.get_base_layer().weight
+                originals[name] = weight.detach().to("cpu", copy=True)
+                dtype = getattr(layer, "merge_dtype", weight.dtype)
+                weight.copy_(merged_weight(weight, *factors, dtype))
+        yield model
+    finally:
+        with torch.no_grad():
+            layers = dict(lora_layers(model))
+            for name, original in originals.items():
+                layers[name].get_base_layer().weight.copy_(original)
+
+
+@dataclass
+class RetainedUpdate:
+    """How much of the LoRA delta survives the cast to the served dtype, summed over layers.
+
+    ``retained`` is the projection of the served change (cast(W + D) - W) onto the delta D:
+    <served change, D> / <D, D>. 1 means the whole update is served, 0 that none of it is.
+    ``changed_fraction`` is the share of weight entries the merge changes.
+    """
+
+    dot: float = 0.0
+    delta_sq: float = 0.0
+    changed: int = 0
+    total: int = 0
+
+    def add(self, base: torch.Tensor, delta: torch.Tensor, served: torch.Tensor) -> None:
+        """Account one layer: base W, fp32 delta D (same shape) and the served weight."""
+        served_change = served.float() - base.float()
+        self.dot += float((served_change * delta).sum())
+        self.delta_sq += float((delta * delta).sum())
+        self.changed += int((served != base).sum())
+        self.total += base.numel()
+
+    @property
+    def retained(self) -> float:
+        return self.dot / self.delta_sq if self.delta_sq > 0 else math.nan
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.total if self.total else math.nan
+
+
+def retained_update(model: torch.nn.Module, dtype: torch.dtype | None = None) -> RetainedUpdate:
+    """The retained-update statistics of every active LoRA layer (ordinary merge semantics).
+
+    Args:
+        dtype: the served dtype; defaults to each base weight's dtype.
+    """
+    stats = RetainedUpdate()
+    with torch.no_grad():
+        for _, layer in lora_layers(model):
+            factors = lora_factors(layer)
+            if factors is None:
+                continue
+            lora_A, lora_B, scaling = factors
+            base = layer.get_base_layer().weight
+            delta = scaling * (lora_B.float() @ lora_A.float())
+            stats.add(base, delta, merged_weight(base, lora_A, lora_B, scaling, dtype))
+    return stats

@@ -150,11 +150,6 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
 
 def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
     """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``."""
-    if config.lora_merge_aware:
-        raise ConfigError(
-            f"'lora_merge_aware: {config.lora_merge_aware}' is not available in this version yet; remove it to train "
-            "ordinary LoRA (the merged-sync rounding then applies)."
-        )
     dtype = training_dtype(device)
     kwargs: dict = {"dtype": dtype}
     if config.load_in_4bit or config.load_in_8bit:
@@ -178,4 +173,9 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
         use_dora=config.peft_use_dora,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    if config.lora_merge_aware:
+        from colocate_grpo.lora import install_merge_aware
+
+        install_merge_aware(model, config.lora_merge_aware)
+    return model

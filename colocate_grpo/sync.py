@@ -13,7 +13,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine
-from colocate_grpo.lora import lora_factors, merged_weight
+from colocate_grpo.lora import RetainedUpdate, lora_factors, merged_weight
 
 
 def hf_name(peft_name: str) -> str:
@@ -22,11 +22,15 @@ def hf_name(peft_name: str) -> str:
 
 
 @torch.no_grad()
-def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_named_weights(
+    model: torch.nn.Module, stats: RetainedUpdate | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight the engine needs, under Hugging Face names, with LoRA merged in.
 
     Yields (name, tensor) in the model's parameter order, so fused groups (q, k, v; gate, up)
-    arrive together. Merged tensors are fresh; the others are the trainer's own (read only).
+    arrive together. Merged tensors are fresh (in the layer's merge dtype for merge-aware
+    layers, so they equal its forward's weight bitwise); the others are the trainer's own.
+    When ``stats`` is given, each merged layer's retained update is added to it.
     """
     lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     for name, param in model.named_parameters():
@@ -40,9 +44,56 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
             yield hf_name(name), param.detach()
         else:
             lora_A, lora_B, scaling = factors
-            yield hf_name(name), merged_weight(param, lora_A, lora_B, scaling)
+            merged = merged_weight(param, lora_A, lora_B, scaling, getattr(layer, "merge_dtype", None))
+            if stats is not None:
+                stats.add(param, scaling * (lora_B.float() @ lora_A.float()), merged)
+            yield hf_name(name), merged
 
 
-def push_weights(model: torch.nn.Module, engine: Engine) -> None:
-    """Send the trainer's current (merged) weights to the engine and drop its prefix cache."""
-    engine.load_weights(merged_named_weights(model))
+def push_weights(model: torch.nn.Module, engine: Engine, stats: RetainedUpdate | None = None) -> None:
+    """Send the trainer's current (merged) weights to the engine and drop its prefix cache.
+
+    Args:
+        stats: filled with the retained-update statistics of this sync when given.
+    """
+    engine.load_weights(merged_named_weights(model, stats))
+
+
+def _engine_tensor(
+    engine_params: dict[str, torch.Tensor], packed: dict[str, list[str]], name: str, offsets: dict[str, int], rows: int
+) -> torch.Tensor | None:
+    """The rows of the engine's (possibly fused) parameter that hold HF tensor ``name``."""
+    if name in engine_params:
+        return engine_params[name][:rows]
+    for fused, parts in packed.items():
+        for part in parts:
+            if f".{part}." in name:
+                fused_name = name.replace(f".{part}.", f".{fused}.")
+                start = offsets.get(fused_name, 0)
+                offsets[fused_name] = start + rows
+                param = engine_params.get(fused_name)
+                return None if param is None else param[start : start + rows]
+    return None
+
+
+@torch.no_grad()
+def served_weight_mismatches(model: torch.nn.Module, engine: Engine) -> list[str] | None:
+    """HF names of the trainer's weights that differ, bitwise, from what the engine holds.
+
+    An empty list means the engine serves exactly the trainer's (merged) weights. None when the
+    engine's weights cannot be read back (vLLM on CPU may repack them into kernel formats).
+    """
+    vllm_model = engine.model
+    engine_params = dict(vllm_model.named_parameters())
+    packed = getattr(vllm_model, "packed_modules_mapping", {})
+    offsets: dict[str, int] = {}
+    mismatches = []
+    for name, expected in merged_named_weights(model):
+        served = _engine_tensor(engine_params, packed, name, offsets, expected.shape[0])
+        if served is None or served.numel() == 0:
+            if "lm_head" in name:  # tied to the embedding in the engine
+                continue
+            return None
+        if served.shape != expected.shape or not torch.equal(served.to(expected.device), expected):
+            mismatches.append(name)
+    return mismatches

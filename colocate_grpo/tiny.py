@@ -35,6 +35,7 @@ _RECIPE = {
     "warmup_batch": 64,
     "warmup_lr": 3e-3,
     "seed": 0,
+    "threads": 1,
 }
 _EOS = "<|endoftext|>"
 _CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -81,6 +82,16 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _build(path: Path) -> None:
+    # One thread: the same floating-point summation order on every machine, so the same model.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_RECIPE["threads"])
+    try:
+        _build_with_current_threads(path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _build_with_current_threads(path: Path) -> None:
     torch.manual_seed(_RECIPE["seed"])
     rng = random.Random(_RECIPE["seed"])
     tokenizer = _build_tokenizer()

@@ -87,8 +87,9 @@ class _RewardProgress(ProgressCallback):
 def build_trainer(config: Config | str | Path | dict | None = None, callbacks: list | None = None) -> Any:
     """A ready :class:`~colocate_grpo.trainer.ColocateGRPOTrainer` for ``config``; nothing written yet.
 
-    The trainer carries ``metrics`` (a :class:`MetricsLog`) and ``run_config``. Call ``trainer.close()``
-    (or use it as a context manager) to free the engine.
+    The trainer carries ``metrics`` (a :class:`MetricsLog`) and ``run_config``. Its engine is the
+    process's live one when that serves the same base model (see ``shared_engine``).
+    ``trainer.close()`` (or ``with``) shuts the engine down for good.
 
     Raises:
         ConfigError: on bad input, before any model is loaded or any file is written.
@@ -116,6 +117,7 @@ def build_trainer(config: Config | str | Path | dict | None = None, callbacks: l
         processing_class=tokenizer,
         callbacks=[metrics, *(callbacks or [])],
         vllm_options=config.vllm,
+        merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
     )
     if any(isinstance(cb, ProgressCallback) for cb in trainer.callback_handler.callbacks):
         trainer.remove_callback(ProgressCallback)
@@ -128,6 +130,8 @@ def build_trainer(config: Config | str | Path | dict | None = None, callbacks: l
 def train(config: Config | str | Path | dict | None = None, callbacks: list | None = None) -> TrainResult:
     """Run GRPO as ``config`` says and save the adapter, the config and ``metrics.jsonl`` to output_dir.
 
+    The engine is left asleep (its device memory freed on GPUs) for the next run in this process.
+
     Args:
         config: a :class:`Config`, a YAML path or text, a dict, or None for the tiny default job.
         callbacks: extra ``transformers.TrainerCallback`` objects (e.g. the notebook dashboard).
@@ -136,14 +140,18 @@ def train(config: Config | str | Path | dict | None = None, callbacks: list | No
         ConfigError: on bad input, before any model is loaded or any file is written.
     """
     started = time.perf_counter()
-    with build_trainer(config, callbacks) as trainer:
-        config, metrics = trainer.run_config, trainer.metrics
-        output_dir = Path(config.output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        metrics.path.unlink(missing_ok=True)
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    trainer = build_trainer(config, callbacks)
+    config, metrics = trainer.run_config, trainer.metrics
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics.path.unlink(missing_ok=True)
+    (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    try:
         trainer.train()
         trainer.save_model(str(output_dir))
+    finally:
+        # Asleep, not closed: the next train() in this process reuses the engine (see shared_engine).
+        trainer.engine.sleep()
     start, end = first_and_last_tenth([v for _, v in metrics.series(REWARD_KEY)])
     return TrainResult(output_dir, metrics, start, end, time.perf_counter() - started)
 

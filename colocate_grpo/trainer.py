@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import trl.trainer.grpo_trainer as grpo_module
@@ -19,8 +21,52 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.engine import Engine, Weights
-from colocate_grpo.sync import push_weights
+from colocate_grpo.engine import Engine, Weights, shared_engine
+from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
+from colocate_grpo.sync import push_weights, served_weight_mismatches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MergeCheck:
+    """Measures, during a sync, how much of the LoRA update the served weights keep.
+
+    Runs at the first sync and then every ``interval`` optimizer steps (0 disables it). With
+    merge-aware LoRA it also checks that the engine holds exactly the trainer's forward weights.
+
+    Args:
+        interval: optimizer steps between checks.
+        merge_aware: whether the model's LoRA layers are merge-aware.
+        step: returns the current optimizer step.
+        log: receives the metrics of each check, e.g. ``{"lora_merge/retained": 0.24}``.
+    """
+
+    interval: int
+    merge_aware: bool
+    step: Callable[[], int]
+    log: Callable[[dict[str, float]], None]
+    checks: int = field(default=0, init=False)
+
+    def due(self) -> bool:
+        return self.interval > 0 and (self.checks == 0 or self.step() % self.interval == 0)
+
+    def report(self, stats: RetainedUpdate, mismatches: list[str] | None) -> None:
+        metrics = {"lora_merge/changed_fraction": stats.changed_fraction}
+        if stats.delta_sq > 0:  # a fresh adapter (B = 0) has no update to retain yet
+            metrics["lora_merge/retained"] = stats.retained
+        if mismatches is not None and self.merge_aware:
+            metrics["lora_merge/served_equals_trained"] = float(not mismatches)
+            if mismatches:
+                logger.error("vLLM does not serve the trained weights for: %s", ", ".join(mismatches[:5]))
+        if self.checks > 0 and not self.merge_aware and stats.delta_sq > 0 and stats.retained < 0.5:
+            logger.warning(
+                "Only %.0f%% of the LoRA update survives the merge into the served weights; vLLM samples from a "
+                "policy that lacks most of the trained update. Set 'lora_merge_aware: bf16' to serve all of it.",
+                100 * stats.retained,
+            )
+        self.checks += 1
+        self.log(metrics)
 
 
 class ColocatedGeneration(VLLMGeneration):
@@ -33,6 +79,7 @@ class ColocatedGeneration(VLLMGeneration):
 
     def __init__(self, *args: Any, engine_factory: Callable[[VLLMGeneration], Engine], **kwargs: Any) -> None:
         self._engine_factory = engine_factory
+        self.merge_check: MergeCheck | None = None
         kwargs["enable_sleep_mode"] = False
         super().__init__(*args, **kwargs)
 
@@ -45,7 +92,11 @@ class ColocatedGeneration(VLLMGeneration):
         return self.llm
 
     def sync_weights(self) -> None:
-        push_weights(self.model, self.llm)
+        check = self.merge_check if self.merge_check is not None and self.merge_check.due() else None
+        stats = RetainedUpdate() if check is not None else None
+        push_weights(self.model, self.llm, stats)
+        if check is not None:
+            check.report(stats, served_weight_mismatches(self.model, self.llm) if check.merge_aware else None)
 
     def generate(self, *args: Any, **kwargs: Any) -> tuple:
         if self.llm.state.weights in (Weights.DISCARDED, Weights.GARBAGE):
@@ -75,8 +126,10 @@ class ColocateGRPOTrainer(GRPOTrainer):
 
     Args:
         vllm_options: the ``vllm:`` block (engine dtype, memory fraction, sleep level, ...).
-        engine: an engine to reuse (from an earlier trainer on the same base model); one is
-            created when None.
+        engine: an engine to use. When None, the process's live engine is reused if it serves the
+            same base model and ``vllm:`` block, else a new one is created.
+        merge_check_interval: optimizer steps between retained-update checks (0: never); see
+            :class:`MergeCheck`.
     """
 
     def __init__(
@@ -87,6 +140,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
         *,
         vllm_options: VLLMConfig | None = None,
         engine: Engine | None = None,
+        merge_check_interval: int = 50,
         **kwargs: Any,
     ) -> None:
         options = vllm_options or VLLMConfig()
@@ -95,7 +149,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
             if engine is not None and not engine.closed:
                 return engine
             dtype = generation.model.get_input_embeddings().weight.dtype
-            return Engine(
+            return shared_engine(
                 model_path=generation.model.name_or_path,
                 options=options,
                 dtype=str(dtype).removeprefix("torch."),
@@ -106,13 +160,25 @@ class ColocateGRPOTrainer(GRPOTrainer):
 
         with _generation_class(functools.partial(ColocatedGeneration, engine_factory=engine_factory)):
             super().__init__(model, reward_funcs, args, **kwargs)
+        merge_aware = any(isinstance(m, MergeAwareLoraLinear) for m in self.model.modules())
+        self.vllm_generation.merge_check = MergeCheck(
+            merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._log_merge_check
+        )
+
+    def _log_merge_check(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._metrics["train"][key].append(value)
 
     @property
     def engine(self) -> Engine:
         return self.vllm_generation.engine
 
     def close(self) -> None:
-        """Shut the engine down and return its memory. Safe to call twice."""
+        """Shut the engine down and return its memory. Safe to call twice.
+
+        On GPUs, vLLM then allows no new engine in this process; to train again in the same
+        process (a notebook), let the engine sleep instead: the next trainer reuses it.
+        """
         self.engine.close()
 
     def __enter__(self) -> ColocateGRPOTrainer:

@@ -119,3 +119,16 @@ def test_cli_check_accepts_a_good_config(tmp_path):
     result = run_cli("--check", str(default_config_path()), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "OK" in result.stdout
+
+
+def test_readme_config_reference_is_current():
+    readme = (REPO / "README.md").read_text()
+    start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
+    embedded = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert embedded.strip() == describe().strip(), "regenerate the README's config reference from describe()"
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    ci_command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci_command in readme

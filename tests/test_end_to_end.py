@@ -7,17 +7,18 @@ import torch
 from vllm import SamplingParams
 
 from colocate_grpo.config import load_config
-from colocate_grpo.engine import Weights
-from colocate_grpo.sync import push_weights
+from colocate_grpo.engine import Weights, live_engine
+from colocate_grpo.sync import push_weights, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path, train
 
 # bf16 weights on both sides, different kernels: token logprobs agree to about 1e-2.
 LOGPROB_TOLERANCE = 0.03
 
 
-def tiny_config(tmp_path, **overrides):
+def tiny_config(tmp_path, trl=None, **overrides):
     raw = load_config(default_config_path()).to_dict()
     raw.update({"output_dir": str(tmp_path / "run"), "max_steps": 3, "micro_batch_size": 16, **overrides})
+    raw["trl"].update(trl or {})
     return load_config(raw)
 
 
@@ -30,9 +31,9 @@ def fixed_sequence(tokenizer):
 @torch.no_grad()
 def trainer_logprobs(model, ids, n):
     model.eval()
-    logits = model(input_ids=torch.tensor([ids])).logits.float()
-    logprobs = logits.log_softmax(-1)[0, :-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return logprobs[-n:]
+    input_ids = torch.tensor([ids], device=model.device)
+    logprobs = model(input_ids=input_ids).logits.float().log_softmax(-1)[0, :-1]
+    return logprobs.gather(-1, input_ids[0, 1:, None])[:, 0][-n:].cpu()
 
 
 def engine_logprobs(engine, ids, n):
@@ -45,7 +46,8 @@ def engine_logprobs(engine, ids, n):
 
 def test_served_policy_follows_the_trained_policy(tmp_path):
     # A large learning rate so that two steps move the policy well past the tolerance.
-    with build_trainer(tiny_config(tmp_path, learning_rate=5e-2, max_steps=2)) as trainer:
+    trainer = build_trainer(tiny_config(tmp_path, learning_rate=5e-2, max_steps=2))
+    try:
         ids, n = fixed_sequence(trainer.processing_class)
         push_weights(trainer.model, trainer.engine)
         before = trainer_logprobs(trainer.model, ids, n)
@@ -62,6 +64,8 @@ def test_served_policy_follows_the_trained_policy(tmp_path):
         served_after = engine_logprobs(trainer.engine, ids, n)
         assert torch.allclose(served_after, after, atol=LOGPROB_TOLERANCE), (served_after, after)
         assert not torch.allclose(served_after, served_before, atol=LOGPROB_TOLERANCE)
+    finally:
+        trainer.engine.sleep()  # kept for the next test: one sleep-mode engine per GPU process
 
 
 def test_train_writes_adapter_config_and_metrics(tmp_path):
@@ -74,6 +78,41 @@ def test_train_writes_adapter_config_and_metrics(tmp_path):
     # The trainer scored vLLM's samples with its own policy: they agree closely when the sync is right.
     assert all(e["sampling/sampling_logp_difference/mean"] < 0.05 for e in steps)
     assert 0.0 <= result.reward_start <= 1.0 and "Trained 3 steps" in result.summary()
+
+
+def test_merge_aware_engine_serves_the_trained_weights_bitwise(tmp_path):
+    config = tiny_config(tmp_path, lora_merge_aware="bf16", learning_rate=5e-2, trl={"vllm_merge_check_interval": 1})
+    trainer = build_trainer(config)
+    try:
+        trainer.train()
+        checks = trainer.metrics.series("lora_merge/served_equals_trained")
+        assert [value for _, value in checks] == [1.0, 1.0, 1.0]
+        push_weights(trainer.model, trainer.engine)
+        assert served_weight_mismatches(trainer.model, trainer.engine) == []
+    finally:
+        trainer.engine.sleep()
+
+
+def test_ordinary_lora_logs_the_retained_update(tmp_path):
+    result = train(tiny_config(tmp_path, trl={"vllm_merge_check_interval": 2}))
+    retained = result.metrics.series("lora_merge/retained")
+    changed = result.metrics.series("lora_merge/changed_fraction")
+    # Checks at the first sync (logged with step 1) and at step 2 (logged with step 3); a fresh
+    # adapter (B = 0) has no update yet, so the first check has a changed fraction of 0 and no retained.
+    assert [step for step, _ in changed] == [1, 3] and changed[0][1] == 0.0
+    assert [step for step, _ in retained] == [3]
+    assert all(0.0 <= value <= 1.01 for _, value in retained)
+    assert all(0.0 <= value <= 1.0 for _, value in changed)
+    assert not result.metrics.series("lora_merge/served_equals_trained")
+
+
+def test_a_second_run_reuses_the_sleeping_engine(tmp_path):
+    first = train(tiny_config(tmp_path / "a", max_steps=1))
+    engine = live_engine()
+    assert engine is not None and not engine.state.ready
+    second = train(tiny_config(tmp_path / "b", max_steps=1))
+    assert live_engine() is engine
+    assert first.metrics.series("reward") and second.metrics.series("reward")
 
 
 @pytest.mark.slow

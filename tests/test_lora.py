@@ -1,0 +1,191 @@
+"""LoRA numerics against references: straight-through gradients, exact merges, retained update."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+
+from colocate_grpo.lora import (
+    MergeAwareLoraLinear,
+    RetainedUpdate,
+    install_merge_aware,
+    lora_factors,
+    merge_aware_linear,
+    merged_weight,
+    retained_update,
+    temporarily_merged,
+)
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def peft_model(seed: int = 0, dropout: float = 0.0, dtype=torch.bfloat16, **extra):
+    torch.manual_seed(seed)
+    base = TwoLinears().to(dtype)
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules=["up", "down"], **extra)
+    model = get_peft_model(base, config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: give the adapter a real, RL-sized delta
+            torch.nn.init.normal_(param, std=1e-3)
+    return model
+
+
+def base_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def assert_bitwise_equal(before, model):
+    after = base_weights(model)
+    for name, value in before.items():
+        assert torch.equal(value, after[name]), name
+
+
+@pytest.mark.parametrize(("out_f", "in_f", "rank", "tokens"), [(48, 32, 4, 10), (96, 64, 16, 33), (17, 40, 1, 7)])
+def test_gradients_match_an_fp64_straight_through_reference(out_f, in_f, rank, tokens):
+    torch.manual_seed(out_f + rank)
+    x = torch.randn(2, tokens, in_f).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(out_f, in_f).to(torch.bfloat16)
+    bias = torch.randn(out_f).to(torch.bfloat16)
+    lora_A = (torch.randn(rank, in_f) * 0.1).requires_grad_()
+    lora_B = (torch.randn(out_f, rank) * 0.1).requires_grad_()
+    upstream = torch.randn(2, tokens, out_f)
+
+    y = merge_aware_linear(x, weight, bias, lora_A, lora_B, 2.0, torch.bfloat16)
+    y.backward(upstream.to(y.dtype))
+
+    # fp64 reference: the cast is the identity for gradients.
+    x64, A64, B64 = (t.detach().double().requires_grad_() for t in (x, lora_A, lora_B))
+    y64 = F.linear(x64, weight.double() + 2.0 * B64 @ A64, bias.double())
+    y64.backward(upstream.to(torch.bfloat16).double())
+    assert torch.allclose(lora_A.grad.double(), A64.grad, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(lora_B.grad.double(), B64.grad, rtol=1e-4, atol=1e-4)
+    # dL/dx goes through the weight the forward used, the cast one; bf16 output rounding only.
+    merged = merged_weight(weight, lora_A.detach(), lora_B.detach(), 2.0, torch.bfloat16)
+    expected_grad_x = upstream.to(torch.bfloat16).double() @ merged.double()
+    assert torch.allclose(x.grad.double(), expected_grad_x, rtol=1e-2, atol=1e-1)
+
+
+def test_forward_uses_the_merged_cast_weight_bitwise():
+    torch.manual_seed(0)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    weight = torch.randn(24, 32).to(torch.bfloat16)
+    lora_A, lora_B = torch.randn(4, 32) * 1e-2, torch.randn(24, 4) * 1e-2
+    merged = merged_weight(weight, lora_A, lora_B, 2.0, torch.bfloat16)
+    y = merge_aware_linear(x, weight, None, lora_A, lora_B, 2.0, torch.bfloat16)
+    assert torch.equal(y, F.linear(x, merged))
+
+
+def test_merge_aware_layer_matches_its_merged_weight_and_respects_disable_adapters():
+    model = peft_model()
+    assert install_merge_aware(model, "bf16") == 2
+    layer = model.base_model.model.up
+    assert isinstance(layer, MergeAwareLoraLinear)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    merged = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+    with model.disable_adapter():
+        assert torch.equal(layer(x), layer.base_layer(x))
+
+
+def test_dropout_uses_the_residual_form_and_is_exact_in_eval():
+    model = peft_model(dropout=0.5)
+    install_merge_aware(model)
+    layer = model.base_model.model.up
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    merged = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.bfloat16)
+    model.eval()
+    assert torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+    model.train()
+    assert not torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+
+
+def test_dora_is_rejected_with_a_clear_message():
+    model = peft_model(use_dora=True)
+    with pytest.raises(ValueError, match="DoRA"):
+        install_merge_aware(model)
+
+
+def test_training_moves_the_served_weight():
+    model = peft_model()
+    install_merge_aware(model)
+    layer = model.base_model.model.up
+    before = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.bfloat16)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    model(torch.randn(8, 64).to(torch.bfloat16)).float().pow(2).mean().backward()
+    optimizer.step()
+    after = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.bfloat16)
+    assert not torch.equal(before, after)
+
+
+@pytest.mark.parametrize("merge_aware", [False, True])
+def test_temporary_merges_restore_the_base_bitwise_after_1000_cycles(merge_aware):
+    model = peft_model()
+    if merge_aware:
+        install_merge_aware(model)
+    before = base_weights(model)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    for _ in range(1000):
+        with temporarily_merged(model):
+            pass
+    assert_bitwise_equal(before, model)
+    with temporarily_merged(model):
+        merged_out = model.base_model.model.up.base_layer(x)
+    assert not torch.equal(merged_out, model.base_model.model.up.base_layer(x))
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_temporary_merge_restores_on_exceptions(error):
+    model = peft_model()
+    before = base_weights(model)
+    with pytest.raises(error), temporarily_merged(model):
+        assert not torch.equal(
+            model.base_model.model.up.base_layer.weight, before["base_model.model.up.base_layer.weight"]
+        )
+        raise error
+    assert_bitwise_equal(before, model)
+
+
+def test_peft_merge_unmerge_drifts_while_merge_aware_is_exact():
+    """PEFT's bf16 merge/unmerge adds then subtracts the delta, rounding both times (TRL issue 6688)."""
+    ordinary, exact = peft_model(seed=1), peft_model(seed=1)
+    install_merge_aware(exact)
+    before = base_weights(ordinary)
+    for _ in range(100):
+        ordinary.merge_adapter()
+        ordinary.unmerge_adapter()
+        exact.merge_adapter()
+        exact.unmerge_adapter()
+    drift = max((base_weights(ordinary)[n].float() - v.float()).abs().max() for n, v in before.items())
+    assert drift > 0, "PEFT's merge/unmerge no longer drifts: update the docs"
+    assert_bitwise_equal(before, exact)
+
+
+def test_retained_is_zero_below_half_a_bf16_step_and_one_for_large_deltas():
+    weight = torch.full((64, 64), 1.0, dtype=torch.bfloat16)  # bf16 step at 1.0 is 2**-7
+    tiny_delta = torch.full((64, 64), 2.0**-10)
+    big_delta = torch.full((64, 64), 0.5)
+    small, large = RetainedUpdate(), RetainedUpdate()
+    small.add(weight, tiny_delta, (weight.float() + tiny_delta).to(torch.bfloat16))
+    large.add(weight, big_delta, (weight.float() + big_delta).to(torch.bfloat16))
+    assert small.retained == 0.0 and small.changed_fraction == 0.0
+    assert large.retained == pytest.approx(1.0, abs=1e-3) and large.changed_fraction == 1.0
+
+
+def test_retained_update_of_a_model_grows_with_the_delta():
+    model = peft_model()
+    small = retained_update(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(100)
+    large = retained_update(model)
+    assert 0.0 <= small.retained < large.retained <= 1.01
+    assert small.changed_fraction < large.changed_fraction
