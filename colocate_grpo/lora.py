@@ -27,6 +27,8 @@ from peft.tuners.lora import LoraLayer
 logger = logging.getLogger(__name__)
 
 MERGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Use the fused Triton merge on CUDA (set False to compare with the plain PyTorch path).
+FUSED_MERGE = True
 
 
 def merged_weight(
@@ -47,7 +49,14 @@ def merged_weight(
 
     Returns:
         The merged weight, shape (out_features, in_features), in ``dtype``.
+
+    On CUDA a fused Triton kernel computes it in one pass (:mod:`colocate_grpo.kernels`); the
+    forward and the sync both come here, so they agree bitwise on each device.
     """
+    if base.is_cuda and FUSED_MERGE:
+        from colocate_grpo.kernels import fused_merged_weight
+
+        return fused_merged_weight(base, lora_A, lora_B, scaling, dtype or base.dtype)
     merged = torch.addmm(base.float(), lora_B.float(), lora_A.float(), alpha=scaling)
     return merged.to(dtype or base.dtype)
 
