@@ -12,6 +12,8 @@ transformers.__version__, 'peft', peft.__version__, 'trl', trl.__version__, 'vll
   python3 -c "import hashlib; from colocate_grpo.tiny import tiny_model_path as p
 print('tiny model sha256', hashlib.sha256((p() / 'model.safetensors').read_bytes()).hexdigest()[:16])" 2>&1 | tail -1
 } > "$out/h200_versions.txt"
+for n in 16 64; do timeout 240 python3 bench/probe_max_num_seqs.py $n > "$out/h200_probe_$n.txt" 2>&1
+  echo "probe max_num_seqs=$n rc=$?" >> "$out/h200_versions.txt"; done
 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_end_to_end.py tests/test_engine.py \
   tests/test_lora.py > "$out/h200_pytest.txt" 2>&1
 python3 -m colocate_grpo.train > "$out/h200_tiny.log" 2>&1

@@ -56,6 +56,17 @@ def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def kernel_time(fn, iters: int = 5) -> float:
+    """Seconds of GPU kernel time per fn() call (profiler), excluding CPU launch gaps."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6 / iters
+
+
 class OneLinear(torch.nn.Module):
     def __init__(self, out_f: int, in_f: int):
         super().__init__()
@@ -101,8 +112,13 @@ def layer_rows(tokens_list):
             x = torch.randn(tokens, in_f, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             use_merge_aware(model, False)
             ordinary = cuda_time(fwd_bwd(model, x))
+            ordinary_kernels = kernel_time(fwd_bwd(model, x))
             use_merge_aware(model, True)
+            merge_aware_kernels = kernel_time(fwd_bwd(model, x))
             merge_aware = cuda_time(fwd_bwd(model, x))
+            lora.FUSED_MERGE = False
+            unfused = cuda_time(fwd_bwd(model, x))
+            lora.FUSED_MERGE = True
             rows.append(
                 {
                     "what": f"layer {name}",
@@ -110,6 +126,10 @@ def layer_rows(tokens_list):
                     "peft_lora_s": ordinary,
                     "merge_aware_s": merge_aware,
                     "ratio": merge_aware / ordinary,
+                    "merge_aware_unfused_s": unfused,
+                    "peft_kernel_s": ordinary_kernels,
+                    "merge_aware_kernel_s": merge_aware_kernels,
+                    "kernel_ratio": merge_aware_kernels / ordinary_kernels,
                 }
             )
         del model
@@ -128,9 +148,11 @@ def model_rows(tokens_list):
         torch.cuda.reset_peak_memory_stats()
         ordinary = cuda_time(fwd_bwd(model, ids), iters=5)
         ordinary_peak = torch.cuda.max_memory_allocated()
+        ordinary_kernels = kernel_time(fwd_bwd(model, ids), iters=3)
         use_merge_aware(model, True)
         torch.cuda.reset_peak_memory_stats()
         merge_aware = cuda_time(fwd_bwd(model, ids), iters=5)
+        merge_aware_kernels = kernel_time(fwd_bwd(model, ids), iters=3)
         rows.append(
             {
                 "what": "model 1.5B-shaped",
@@ -140,6 +162,9 @@ def model_rows(tokens_list):
                 "ratio": merge_aware / ordinary,
                 "peft_peak_gib": ordinary_peak / 2**30,
                 "merge_aware_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peft_kernel_s": ordinary_kernels,
+                "merge_aware_kernel_s": merge_aware_kernels,
+                "kernel_ratio": merge_aware_kernels / ordinary_kernels,
             }
         )
     return rows

@@ -153,7 +153,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 model_path=generation.model.name_or_path,
                 options=options,
                 dtype=str(dtype).removeprefix("torch."),
-                max_num_seqs=generation.max_num_seqs,
+                # vLLM's default, not TRL's batch-sized value: vLLM 0.26 crashed in its warm-up on the H200
+                # with max_num_seqs=16 (an illegal memory access), while its default ran.
                 seed=args.seed,
                 trust_remote_code=generation.trust_remote_code,
             )
