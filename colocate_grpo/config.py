@@ -125,6 +125,10 @@ class Config:
     max_prompt_length: int = field(default=512, metadata={"help": "Longest prompt in tokens (sizes the engine)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Trade compute for activation memory."})
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
+    save_merged: bool = field(
+        default=False,
+        metadata={"help": "Also write output_dir/merged: a bf16 model whose weights equal what vLLM served."},
+    )
     save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps; 0 saves only at the end."})
 
     trl: dict[str, Any] = field(

@@ -8,6 +8,8 @@ layer's weight, not a second model.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -97,3 +99,29 @@ def served_weight_mismatches(model: torch.nn.Module, engine: Engine) -> list[str
         if served.shape != expected.shape or not torch.equal(served.to(expected.device), expected):
             mismatches.append(name)
     return mismatches
+
+
+@torch.no_grad()
+def save_merged(model: torch.nn.Module, directory: str | Path, tokenizer: Any = None) -> Path:
+    """Write a plain Hugging Face model directory with the LoRA merged in.
+
+    Its tensors are the ones a sync sends to the engine, so the checkpoint is bit for bit what
+    vLLM served (with merge-aware LoRA: what the trainer optimized). Holds one copy of the model
+    in CPU memory while writing.
+
+    Returns:
+        The directory, loadable with ``AutoModelForCausalLM.from_pretrained`` or by vLLM.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in merged_named_weights(model)}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.save_pretrained(directory)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(directory)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory

@@ -21,6 +21,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
+from colocate_grpo.sync import save_merged
 
 DEFAULT_CONFIG = "tiny.yaml"
 
@@ -149,6 +150,8 @@ def train(config: Config | str | Path | dict | None = None, callbacks: list | No
     try:
         trainer.train()
         trainer.save_model(str(output_dir))
+        if config.save_merged:
+            save_merged(trainer.model, output_dir / "merged", trainer.processing_class)
     finally:
         # Asleep, not closed: the next train() in this process reuses the engine (see shared_engine).
         trainer.engine.sleep()

@@ -53,7 +53,9 @@ class MergeCheck:
 
     def report(self, stats: RetainedUpdate, mismatches: list[str] | None) -> None:
         metrics = {"lora_merge/changed_fraction": stats.changed_fraction}
-        if stats.delta_sq > 0:  # a fresh adapter (B = 0) has no update to retain yet
+        # Merge-aware LoRA trains the cast weights themselves: all of its update is served, which the
+        # bitwise check below shows; the cast-of-the-fp32-delta share would only mislead there.
+        if stats.delta_sq > 0 and not self.merge_aware:  # a fresh adapter (B = 0) has no update yet
             metrics["lora_merge/retained"] = stats.retained
         if mismatches is not None and self.merge_aware:
             metrics["lora_merge/served_equals_trained"] = float(not mismatches)

@@ -4,11 +4,12 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import Weights, live_engine
-from colocate_grpo.sync import push_weights, served_weight_mismatches
+from colocate_grpo.sync import push_weights, save_merged, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path, train
 
 # bf16 weights on both sides, different kernels, and (ordinary LoRA) the merge's rounding: token logprobs
@@ -91,6 +92,10 @@ def test_merge_aware_engine_serves_the_trained_weights_bitwise(tmp_path):
         assert [value for _, value in checks] == [1.0, 1.0, 1.0]
         push_weights(trainer.model, trainer.engine)
         assert served_weight_mismatches(trainer.model, trainer.engine) == []
+        # The merged export is what the engine served, bit for bit.
+        exported = AutoModelForCausalLM.from_pretrained(save_merged(trainer.model, tmp_path / "merged"))
+        assert exported.dtype == torch.bfloat16
+        assert served_weight_mismatches(exported.to(trainer.model.device), trainer.engine) == []
     finally:
         trainer.engine.sleep()
 
