@@ -30,8 +30,8 @@ class VLLMConfig:
     gpu_memory_utilization: float = field(
         default=0.3,
         metadata={
-            "help": "Fraction of the device's memory vLLM may take for weights and KV cache (0, 1]. "
-            "On CPU, a fraction of RAM (0.1-0.15 is plenty for small models)."
+            "help": "Fraction of the GPU's memory vLLM may take for weights and KV cache (0, 1]. "
+            "On CPU the KV cache is sized by cpu_kv_cache_gib instead."
         },
     )
     max_model_len: int | None = field(
@@ -48,6 +48,13 @@ class VLLMConfig:
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = field(
         default="auto", metadata={"help": "Engine dtype; auto follows the training dtype."}
+    )
+    cpu_kv_cache_gib: float = field(
+        default=1.0,
+        metadata={
+            "help": "KV cache size on CPU, in GiB. vLLM on CPU otherwise sizes it from the process's own memory, "
+            "which fails in long-lived processes (notebooks)."
+        },
     )
     sleep_level: Literal[1, 2] = field(
         default=2,
@@ -351,6 +358,11 @@ def _check_ranges(c: Config) -> None:
         0.0 < c.vllm.gpu_memory_utilization <= 1.0,
         "vllm.gpu_memory_utilization",
         f"must be in (0, 1], got {c.vllm.gpu_memory_utilization}; 0.3 leaves most of the GPU to training.",
+    )
+    require(
+        c.vllm.cpu_kv_cache_gib > 0,
+        "vllm.cpu_kv_cache_gib",
+        f"must be positive, got {c.vllm.cpu_kv_cache_gib}; 1 is plenty for small models.",
     )
     require(c.lora_r >= 1, "lora_r", f"must be at least 1, got {c.lora_r}.")
     require(c.lora_alpha > 0, "lora_alpha", f"must be positive, got {c.lora_alpha}.")

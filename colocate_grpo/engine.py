@@ -139,6 +139,9 @@ class Engine:
                 quantization=quantization,
                 trust_remote_code=trust_remote_code,
                 seed=seed,
+                # On CPU vLLM sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes
+                # negative once a long-lived process (a notebook, a test session) has loaded models.
+                kv_cache_memory_bytes=int(options.cpu_kv_cache_gib * 2**30) if self.cpu else None,
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
         _live_engine = weakref.ref(self)

@@ -73,14 +73,33 @@ def test_gradients_match_an_fp64_straight_through_reference(out_f, in_f, rank, t
     assert torch.allclose(x.grad.double(), expected_grad_x, rtol=1e-2, atol=1e-1)
 
 
-def test_forward_uses_the_merged_cast_weight_bitwise():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_uses_the_merged_cast_weight_bitwise(dtype):
     torch.manual_seed(0)
-    x = torch.randn(5, 32).to(torch.bfloat16)
-    weight = torch.randn(24, 32).to(torch.bfloat16)
+    x = torch.randn(5, 32).to(dtype)
+    weight = torch.randn(24, 32).to(dtype)
     lora_A, lora_B = torch.randn(4, 32) * 1e-2, torch.randn(24, 4) * 1e-2
-    merged = merged_weight(weight, lora_A, lora_B, 2.0, torch.bfloat16)
-    y = merge_aware_linear(x, weight, None, lora_A, lora_B, 2.0, torch.bfloat16)
-    assert torch.equal(y, F.linear(x, merged))
+    merged = merged_weight(weight, lora_A, lora_B, 2.0, dtype)
+    y = merge_aware_linear(x, weight, None, lora_A, lora_B, 2.0, dtype)
+    assert y.dtype == dtype and torch.equal(y, F.linear(x, merged))
+
+
+def test_fp16_mode_serves_fp16_weights():
+    model = peft_model(dtype=torch.float16)
+    install_merge_aware(model, "fp16")
+    layer = model.base_model.model.up
+    assert layer.merge_dtype == torch.float16
+    x = torch.randn(3, 64).to(torch.float16)
+    merged = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.float16)
+    assert torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+
+
+def test_several_active_adapters_are_refused():
+    model = peft_model()
+    model.add_adapter("second", LoraConfig(r=4, target_modules=["up", "down"]))
+    model.base_model.set_adapter(["default", "second"])
+    with pytest.raises(ValueError, match="Several LoRA adapters are active"):
+        lora_factors(model.base_model.model.up)
 
 
 def test_merge_aware_layer_matches_its_merged_weight_and_respects_disable_adapters():
