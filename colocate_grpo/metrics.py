@@ -1,13 +1,23 @@
-"""Run metrics: every log event kept in memory and appended to ``metrics.jsonl``."""
+"""Run metrics: time and memory per phase of each step, and every log event kept and written as JSONL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+import torch
 from transformers import TrainerCallback
+
+GIB = 2**30
+# Phases timed explicitly; "train" is the rest of the step (scoring, logprobs, forward, backward, optimizer).
+ENGINE_PHASES = ("wake", "sync", "generate", "sleep")
 
 REWARD_KEY = "reward"
 
@@ -47,3 +57,97 @@ def first_and_last_tenth(values: list[float]) -> tuple[float, float]:
         return math.nan, math.nan
     n = max(1, len(values) // 10)
     return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+class PhaseClock:
+    """Seconds and memory per phase of each optimizer step.
+
+    Engine phases are wrapped with :meth:`phase`; whatever else happens in the step counts as
+    ``train``. :meth:`end_step` returns ``time/<phase>`` (seconds, every phase every step, 0 when
+    a phase did not run) and, per phase that ran, ``memory/<phase>/...`` in GiB: on a GPU the
+    device's used memory after the phase and the trainer's peak allocated and reserved memory
+    during it; on CPU the process's resident memory after it.
+    """
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._memory: dict[str, dict[str, float]] = {}
+        self._step_start = time.perf_counter()
+
+    def start_step(self) -> None:
+        self._seconds.clear()
+        self._memory.clear()
+        self._reset_peak()
+        self._step_start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the enclosed work as phase ``name`` (accumulated if it runs several times in a step)."""
+        self._close_train_segment()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self._seconds[name] += time.perf_counter() - start
+            self._memory[name] = {**self._peaks(), **self._resident()}
+            self._reset_peak()
+
+    def end_step(self) -> dict[str, float]:
+        self._close_train_segment()
+        total = time.perf_counter() - self._step_start
+        engine = sum(self._seconds[p] for p in ENGINE_PHASES)
+        metrics = {f"time/{p}": self._seconds[p] for p in ENGINE_PHASES}
+        metrics["time/train"] = max(0.0, total - engine)
+        metrics["time/step"] = total
+        metrics["time/engine_share"] = engine / total if total > 0 else 0.0
+        self._memory["train"].update(self._resident())
+        for phase, values in self._memory.items():
+            for key, value in values.items():
+                metrics[f"memory/{phase}/{key}"] = value
+        return metrics
+
+    def _close_train_segment(self) -> None:
+        """Fold the peaks since the last phase into ``train`` (the work between engine phases)."""
+        self._synchronize()
+        train = self._memory.setdefault("train", {})
+        for key, value in self._peaks().items():
+            train[key] = max(value, train.get(key, 0.0))
+        self._reset_peak()
+
+    def _synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def _peaks(self) -> dict[str, float]:
+        if not self.cuda:
+            return {}
+        return {
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        }
+
+    def _resident(self) -> dict[str, float]:
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info()
+            return {"device_used_gib": (total - free) / GIB, "allocated_gib": torch.cuda.memory_allocated() / GIB}
+        return {"rss_gib": psutil.Process().memory_info().rss / GIB}
+
+
+class PhaseMetrics(TrainerCallback):
+    """Feeds a :class:`PhaseClock` into the trainer's metrics once per optimizer step."""
+
+    def __init__(self, clock: PhaseClock, record: Any) -> None:
+        self.clock = clock
+        self.record = record
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.clock.start_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.record(self.clock.end_step())

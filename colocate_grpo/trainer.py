@@ -23,6 +23,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
+from colocate_grpo.metrics import PhaseClock, PhaseMetrics
 from colocate_grpo.sync import push_weights, served_weight_mismatches
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class ColocatedGeneration(VLLMGeneration):
     def __init__(self, *args: Any, engine_factory: Callable[[VLLMGeneration], Engine], **kwargs: Any) -> None:
         self._engine_factory = engine_factory
         self.merge_check: MergeCheck | None = None
+        self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
         super().__init__(*args, **kwargs)
 
@@ -96,18 +98,24 @@ class ColocatedGeneration(VLLMGeneration):
     def sync_weights(self) -> None:
         check = self.merge_check if self.merge_check is not None and self.merge_check.due() else None
         stats = RetainedUpdate() if check is not None else None
-        push_weights(self.model, self.llm, stats)
+        with self.clock.phase("wake"):
+            self.llm.wake_up(["weights"])
+        with self.clock.phase("sync"):
+            push_weights(self.model, self.llm, stats)
         if check is not None:
             check.report(stats, served_weight_mismatches(self.model, self.llm) if check.merge_aware else None)
 
     def generate(self, *args: Any, **kwargs: Any) -> tuple:
         if self.llm.state.weights in (Weights.DISCARDED, Weights.GARBAGE):
             self.sync_weights()  # a level-2 sleep since the last sync threw the weights away
-        self.llm.wake_up()
+        with self.clock.phase("wake"):
+            self.llm.wake_up()
         try:
-            return super().generate(*args, **kwargs)
+            with self.clock.phase("generate"):
+                return super().generate(*args, **kwargs)
         finally:
-            self.llm.sleep()
+            with self.clock.phase("sleep"):
+                self.llm.sleep()
 
 
 @contextlib.contextmanager
@@ -165,10 +173,12 @@ class ColocateGRPOTrainer(GRPOTrainer):
             super().__init__(model, reward_funcs, args, **kwargs)
         merge_aware = any(isinstance(m, MergeAwareLoraLinear) for m in self.model.modules())
         self.vllm_generation.merge_check = MergeCheck(
-            merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._log_merge_check
+            merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._record_metrics
         )
+        self.add_callback(PhaseMetrics(self.vllm_generation.clock, record=self._record_metrics))
 
-    def _log_merge_check(self, metrics: dict[str, float]) -> None:
+    def _record_metrics(self, metrics: dict[str, float]) -> None:
+        """Add values to TRL's metrics: averaged into the next log, then written to every logger."""
         for key, value in metrics.items():
             self._metrics["train"][key].append(value)
 

@@ -80,6 +80,12 @@ def test_train_writes_adapter_config_and_metrics(tmp_path):
     assert [e["step"] for e in steps] == [1, 2, 3]
     # The trainer scored vLLM's samples with its own policy: they agree closely when the sync is right.
     assert all(e["sampling/sampling_logp_difference/mean"] < 0.05 for e in steps)
+    # Every phase is accounted once per step: its time, and the memory after it.
+    for event in steps:
+        phases = ["wake", "sync", "generate", "sleep", "train"]
+        assert all(event[f"time/{phase}"] > 0 for phase in phases), event
+        assert sum(event[f"time/{phase}"] for phase in phases) == pytest.approx(event["time/step"], rel=1e-6)
+        assert all(any(key.startswith(f"memory/{phase}/") for key in event) for phase in phases), event
     assert 0.0 <= result.reward_start <= 1.0 and "Trained 3 steps" in result.summary()
 
 
