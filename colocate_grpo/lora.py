@@ -83,6 +83,7 @@ class _MergeAwareLinear(torch.autograd.Function):
 
     Saves x only (W, A, B are parameters): the merged weight is rebuilt in backward rather than
     kept, and the A and B gradients are computed in low rank, never forming the (out, in) dL/dW.
+    Their GEMMs run in the compute dtype with fp32 accumulation (PEFT's precision under autocast).
     """
 
     @staticmethod
@@ -96,19 +97,21 @@ class _MergeAwareLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         x, weight, lora_A, lora_B = ctx.saved_tensors
-        s = ctx.scaling
+        s, dtype = ctx.scaling, ctx.dtype
         grad_x = grad_A = grad_B = grad_bias = None
+        # GEMMs in the compute dtype with fp32 accumulation, as PEFT's LoRA runs under autocast: casting
+        # the (tokens, features) activations and gradients to fp32 would cost more than the matmuls.
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+        flat_x = x.reshape(-1, x.shape[-1]).to(dtype)
         if ctx.needs_input_grad[0]:
-            merged = merged_weight(weight, lora_A, lora_B, s, ctx.dtype)
-            grad_x = (grad_out.to(ctx.dtype) @ merged).to(x.dtype)
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).float()
-        flat_x = x.reshape(-1, x.shape[-1]).float()
+            merged = merged_weight(weight, lora_A, lora_B, s, dtype)
+            grad_x = (flat_grad @ merged).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[3]:  # dL/dA = s * (G B)^T X
-            grad_A = (s * (flat_grad @ lora_B.float()).T @ flat_x).to(lora_A.dtype)
+            grad_A = ((flat_grad @ lora_B.to(dtype)).T @ flat_x).float().mul_(s).to(lora_A.dtype)
         if ctx.needs_input_grad[4]:  # dL/dB = s * G^T (X A^T)
-            grad_B = (s * flat_grad.T @ (flat_x @ lora_A.float().T)).to(lora_B.dtype)
+            grad_B = (flat_grad.T @ (flat_x @ lora_A.to(dtype).T)).float().mul_(s).to(lora_B.dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = flat_grad.sum(0).to(ctx.bias_dtype)
+            grad_bias = flat_grad.float().sum(0).to(ctx.bias_dtype)
         return grad_x, None, grad_bias, grad_A, grad_B, None, None
 
 

@@ -65,8 +65,9 @@ def test_gradients_match_an_fp64_straight_through_reference(out_f, in_f, rank, t
     x64, A64, B64 = (t.detach().double().requires_grad_() for t in (x, lora_A, lora_B))
     y64 = F.linear(x64, weight.double() + 2.0 * B64 @ A64, bias.double())
     y64.backward(upstream.to(torch.bfloat16).double())
-    assert torch.allclose(lora_A.grad.double(), A64.grad, rtol=1e-4, atol=1e-4)
-    assert torch.allclose(lora_B.grad.double(), B64.grad, rtol=1e-4, atol=1e-4)
+    # bf16 GEMMs with fp32 accumulation (PEFT's precision under autocast): bf16-level relative error.
+    for grad, reference in [(lora_A.grad, A64.grad), (lora_B.grad, B64.grad)]:
+        assert (grad.double() - reference).norm() / reference.norm() < 1e-2
     # dL/dx goes through the weight the forward used, the cast one; bf16 output rounding only.
     merged = merged_weight(weight, lora_A.detach(), lora_B.detach(), 2.0, torch.bfloat16)
     expected_grad_x = upstream.to(torch.bfloat16).double() @ merged.double()
