@@ -208,11 +208,15 @@ def main() -> None:
             f"floor {1e6 * r['floor_s']:6.1f} us  entries differing {r['fused_vs_plain_entries_differing']:.2e}"
         )
     rows = layer_rows(args.tokens) + model_rows(args.tokens)
-    print(f"{'what':24} {'tokens':>6} {'PEFT ms':>9} {'merge-aware ms':>15} {'ratio':>6}")
+    print(
+        f"{'what':24} {'tokens':>6} {'wall: PEFT ms':>13} {'merge-aware':>11} {'ratio':>6} "
+        f"{'kernels: PEFT ms':>16} {'merge-aware':>11} {'ratio':>6}"
+    )
     for r in rows:
         print(
-            f"{r['what']:24} {r['tokens']:>6} {1e3 * r['peft_lora_s']:>9.3f} {1e3 * r['merge_aware_s']:>15.3f} "
-            f"{r['ratio']:>6.2f}"
+            f"{r['what']:24} {r['tokens']:>6} {1e3 * r['peft_lora_s']:>13.3f} {1e3 * r['merge_aware_s']:>11.3f} "
+            f"{r['ratio']:>6.2f} {1e3 * r['peft_kernel_s']:>16.3f} {1e3 * r['merge_aware_kernel_s']:>11.3f} "
+            f"{r['kernel_ratio']:>6.2f}"
         )
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rank": 16, "dtype": "bf16 autocast"}
     with open(args.out, "w") as f:
