@@ -197,14 +197,21 @@ class Engine:
 
         Wakes the weights first if needed. Fused groups (q/k/v, gate/up) must arrive whole on CPU,
         where vLLM repacks its linear layers and only reloading through the checkpoint path works.
+        If it raises (or is interrupted) part way, the weights count as not loaded: generation is
+        refused until a load completes.
         """
         llm = self._require_open()
         self.wake_up(tags=["weights"])
         tensors = iter(named_tensors)
-        if self.cpu:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
-        else:
-            self.model.load_weights(tensors)
+        try:
+            if self.cpu:
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+            else:
+                self.model.load_weights(tensors)
+        except BaseException:
+            # Some tensors are new and some old: nothing may be generated until a sync completes.
+            self._state = EngineState(Weights.GARBAGE, self._state.kv_cache_awake)
+            raise
         self._state = EngineState(Weights.RESIDENT, self._state.kv_cache_awake)
         self.reset_prefix_cache()
 
