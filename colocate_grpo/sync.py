@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from peft.tuners.lora import LoraLayer
 
-from colocate_grpo.engine import Engine
+from colocate_grpo.engine import Engine, Weights
 from colocate_grpo.lora import RetainedUpdate, lora_factors, merged_weight
 
 
@@ -25,14 +25,16 @@ def hf_name(peft_name: str) -> str:
 
 @torch.no_grad()
 def merged_named_weights(
-    model: torch.nn.Module, stats: RetainedUpdate | None = None
+    model: torch.nn.Module, stats: RetainedUpdate | None = None, include_frozen: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every weight the engine needs, under Hugging Face names, with LoRA merged in.
 
     Yields (name, tensor) in the model's parameter order, so fused groups (q, k, v; gate, up)
     arrive together. Merged tensors are fresh (in the layer's merge dtype for merge-aware
     layers, so they equal its forward's weight bitwise); the others are the trainer's own.
-    When ``stats`` is given, each merged layer's retained update is added to it.
+    When ``stats`` is given, each merged layer's retained update is added to it. With
+    ``include_frozen=False`` only tensors that training can change are yielded: LoRA-merged
+    weights and parameters that require gradients.
     """
     lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
     for name, param in model.named_parameters():
@@ -43,7 +45,8 @@ def merged_named_weights(
         layer = lora_layers.get(layer_name)
         factors = lora_factors(layer) if layer is not None and leaf == "weight" else None
         if factors is None:
-            yield hf_name(name), param.detach()
+            if include_frozen or param.requires_grad:
+                yield hf_name(name), param.detach()
         else:
             lora_A, lora_B, scaling = factors
             merged = merged_weight(param, lora_A, lora_B, scaling, getattr(layer, "merge_dtype", None))
@@ -55,10 +58,14 @@ def merged_named_weights(
 def push_weights(model: torch.nn.Module, engine: Engine, stats: RetainedUpdate | None = None) -> None:
     """Send the trainer's current (merged) weights to the engine and drop its prefix cache.
 
+    Frozen tensors are sent only when the engine lost its weights (a level-2 sleep, a failed
+    load): after a level-1 sleep, or awake, it still holds them.
+
     Args:
         stats: filled with the retained-update statistics of this sync when given.
     """
-    engine.load_weights(merged_named_weights(model, stats))
+    engine_holds_frozen = engine.state.weights in (Weights.RESIDENT, Weights.OFFLOADED)
+    engine.load_weights(merged_named_weights(model, stats, include_frozen=not engine_holds_frozen))
 
 
 def _engine_tensor(

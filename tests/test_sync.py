@@ -58,3 +58,26 @@ def test_an_interrupted_sync_blocks_generation_until_the_next_sync_repairs_it(tr
     push_weights(trainer.model, trainer.engine)
     assert served_weight_mismatches(trainer.model, trainer.engine) == []
     assert engine.generate([{"prompt_token_ids": [20, 11, 21, 29]}], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize(("level", "expected"), [(1, "trainable only"), (2, "everything")])
+def test_frozen_weights_are_sent_only_when_the_engine_lost_them(trainer, monkeypatch, level, expected):
+    engine = trainer.engine
+    push_weights(trainer.model, engine)
+    sent = []
+    load = engine.load_weights
+
+    def recording(tensors):
+        for name, tensor in tensors:
+            sent.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(engine, "load_weights", lambda tensors: load(recording(tensors)))
+    engine.sleep(level)
+    push_weights(trainer.model, engine)
+    everything = [name for name, _ in merged_named_weights(trainer.model)]
+    if expected == "everything":
+        assert sent == everything
+    else:
+        assert sent and all(name.endswith("_proj.weight") for name in sent) and len(sent) < len(everything)
+    assert served_weight_mismatches(trainer.model, engine) == []
