@@ -20,6 +20,7 @@ import yaml
 from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
+from colocate_grpo.dashboard import PngWriter, summary
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
 from colocate_grpo.sync import save_merged
 
@@ -128,7 +129,9 @@ def build_trainer(config: Config | str | Path | dict | None = None, callbacks: l
     return trainer
 
 
-def train(config: Config | str | Path | dict | None = None, callbacks: list | None = None) -> TrainResult:
+def train(
+    config: Config | str | Path | dict | None = None, callbacks: list | None = None, plots: bool = False
+) -> TrainResult:
     """Run GRPO as ``config`` says and save the adapter, the config and ``metrics.jsonl`` to output_dir.
 
     The engine is left asleep (its device memory freed on GPUs) for the next run in this process.
@@ -136,6 +139,7 @@ def train(config: Config | str | Path | dict | None = None, callbacks: list | No
     Args:
         config: a :class:`Config`, a YAML path or text, a dict, or None for the tiny default job.
         callbacks: extra ``transformers.TrainerCallback`` objects (e.g. the notebook dashboard).
+        plots: also write ``output_dir/dashboard.png`` during and after training (the CLI does).
 
     Raises:
         ConfigError: on bad input, before any model is loaded or any file is written.
@@ -147,6 +151,8 @@ def train(config: Config | str | Path | dict | None = None, callbacks: list | No
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics.path.unlink(missing_ok=True)
     (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    if plots:
+        trainer.add_callback(PngWriter(metrics.history, output_dir / "dashboard.png"))
     try:
         trainer.train()
         trainer.save_model(str(output_dir))
@@ -171,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         if options.check:
             print(f"{options.config or DEFAULT_CONFIG}: OK")
             return 0
-        result = train(config)
+        result = train(config, plots=True)
     except ConfigError as err:
         print(f"colocate_grpo: config error: {err}", file=sys.stderr)
         return 2
-    print(result.summary())
+    print(summary(result.metrics.history))
+    print(result.summary() + f" Figure: {result.output_dir / 'dashboard.png'}")
     return 0
 
 

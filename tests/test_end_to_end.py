@@ -71,10 +71,16 @@ def test_served_policy_follows_the_trained_policy(tmp_path):
         trainer.engine.sleep()  # kept for the next test: one sleep-mode engine per GPU process
 
 
-def test_train_writes_adapter_config_and_metrics(tmp_path):
-    result = train(tiny_config(tmp_path))
+def test_train_writes_adapter_config_metrics_and_figure(tmp_path):
+    result = train(tiny_config(tmp_path), plots=True)
     files = {p.name for p in result.output_dir.iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", "config.yaml", "metrics.jsonl"} <= files
+    assert {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "config.yaml",
+        "metrics.jsonl",
+        "dashboard.png",
+    } <= files
     events = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events if "reward" in e]
     assert [e["step"] for e in steps] == [1, 2, 3]

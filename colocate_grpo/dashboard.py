@@ -1,0 +1,184 @@
+"""Views of a run: one figure of its metrics, written as a PNG by the CLI, and a one-screen summary.
+
+Everything here reads the metric history (the events of ``metrics.jsonl``) and draws with
+matplotlib's object API on the Agg canvas: no pyplot state, no GUI, safe in any process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from transformers import TrainerCallback
+
+from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth
+
+PHASES = (*ENGINE_PHASES, "train")
+PHASE_COLORS = {"wake": "#9ecae1", "sync": "#fd8d3c", "generate": "#6baed6", "sleep": "#c6dbef", "train": "#74c476"}
+
+
+def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [
+        (e["step"], float(e[key])) for e in history if isinstance(e.get(key), int | float) and not math.isnan(e[key])
+    ]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _rolling_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the ``window - 1`` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _memory_key(history: list[dict[str, Any]]) -> str:
+    """``device_used_gib`` on a GPU run, ``rss_gib`` (process memory) on CPU."""
+    return "device_used_gib" if any("memory/train/device_used_gib" in e for e in history) else "rss_gib"
+
+
+def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
+    """Draw the run's five panels (reward, completion length, merge, memory by phase, step time) on a figure."""
+    figure = figure or Figure(figsize=(15, 8), layout="constrained")
+    figure.clear()
+    axes = figure.subplots(2, 3)
+    reward_ax, length_ax, merge_ax, memory_ax, time_ax, mismatch_ax = axes.flat
+
+    steps, reward = _series(history, "reward")
+    _, spread = _series(history, "reward_std")
+    if len(spread) == len(reward):
+        low = [r - s for r, s in zip(reward, spread, strict=True)]
+        high = [r + s for r, s in zip(reward, spread, strict=True)]
+        reward_ax.fill_between(steps, low, high, color="#2171b5", alpha=0.08, label="± std")
+    reward_ax.plot(steps, reward, color="#2171b5", alpha=0.35, linewidth=1, label="mean")
+    window = max(1, len(reward) // 10)
+    reward_ax.plot(
+        steps, _rolling_mean(reward, window), color="#08306b", linewidth=2.5, label=f"mean of {window} steps"
+    )
+    reward_ax.set(title="Reward", xlabel="step")
+    reward_ax.legend(loc="lower right")
+
+    length_ax.plot(*_series(history, "completions/mean_length"), color="#6a51a3")
+    length_ax.set(title="Completion length (tokens)", xlabel="step")
+
+    retained = _series(history, "lora_merge/retained")
+    exact = _series(history, "lora_merge/served_equals_trained")
+    changed = _series(history, "lora_merge/changed_fraction")
+    if retained[0]:
+        merge_ax.plot(*retained, "o-", color="#d94801", label="update served (ordinary LoRA)")
+    if exact[0]:
+        merge_ax.plot(*exact, "s--", color="#238b45", label="served = trained, bitwise (merge-aware)")
+    if changed[0]:
+        merge_ax.plot(*changed, "^:", color="#737373", label="entries changed by the merge")
+    merge_ax.set(title="LoRA merge into the served weights", xlabel="step", ylim=(-0.05, 1.05))
+    if retained[0] or exact[0]:
+        merge_ax.axhline(0.5, color="#d94801", alpha=0.3, linewidth=1)
+        merge_ax.legend(loc="center right", fontsize="small")
+    else:
+        merge_ax.text(0.5, 0.5, "no merge check yet", ha="center", va="center", transform=merge_ax.transAxes)
+
+    memory = _memory_key(history)
+    for phase in PHASES:
+        memory_ax.plot(*_series(history, f"memory/{phase}/{memory}"), color=PHASE_COLORS[phase], label=f"after {phase}")
+    memory_ax.set(
+        title="Device memory used (GiB)" if memory == "device_used_gib" else "Process memory (GiB, CPU run)",
+        xlabel="step",
+    )
+    memory_ax.set_ylim(0, 1.15 * memory_ax.get_ylim()[1])  # from zero: flat memory must look flat
+    memory_ax.legend(loc="lower right", fontsize="small")
+
+    bottom: list[float] | None = None
+    for phase in PHASES:
+        phase_steps, seconds = _series(history, f"time/{phase}")
+        if not seconds:
+            continue
+        time_ax.bar(phase_steps, seconds, bottom=bottom, width=1.0, color=PHASE_COLORS[phase], label=phase)
+        bottom = seconds if bottom is None else [b + s for b, s in zip(bottom, seconds, strict=True)]
+    time_ax.set(title="Step time by phase (s)", xlabel="step")
+    time_ax.legend(loc="upper right", fontsize="small")
+
+    mismatch_ax.plot(*_series(history, "sampling/sampling_logp_difference/mean"), color="#cb181d", label="mean")
+    mismatch_ax.plot(
+        *_series(history, "sampling/sampling_logp_difference/max"), color="#cb181d", alpha=0.35, label="max"
+    )
+    mismatch_ax.set(title="|logprob vLLM - logprob trainer|", xlabel="step", yscale="log")
+    mismatch_ax.legend(loc="upper right", fontsize="small")
+    return figure
+
+
+def save_png(history: list[dict[str, Any]], path: str | Path) -> Path:
+    """Draw the run's figure and write it as a PNG (written beside, then renamed: never half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure = draw(history)
+    partial = path.with_suffix(".partial.png")
+    FigureCanvasAgg(figure).print_png(str(partial))
+    partial.replace(path)
+    return path
+
+
+def summary(history: list[dict[str, Any]]) -> str:
+    """A one-screen text summary of a run: reward, where the time went, memory, sync quality."""
+    steps = [e for e in history if "time/step" in e or "reward" in e]
+    if not steps:
+        return "No steps logged."
+    lines = [f"Steps: {steps[-1]['step']}"]
+    reward = _series(history, "reward")[1]
+    if reward:
+        start, end = first_and_last_tenth(reward)
+        lines.append(f"Mean reward: first tenth {start:.3f} -> last tenth {end:.3f}")
+    totals = {phase: sum(_series(history, f"time/{phase}")[1]) for phase in PHASES}
+    total = sum(totals.values())
+    if total > 0:
+        split = ", ".join(f"{phase} {100 * seconds / total:.0f}%" for phase, seconds in totals.items())
+        lines.append(f"Time: {total:.0f} s in steps; {split}")
+    memory = _memory_key(history)
+    peaks = {phase: max(_series(history, f"memory/{phase}/{memory}")[1], default=math.nan) for phase in PHASES}
+    if any(not math.isnan(v) for v in peaks.values()):
+        label = "Device memory used" if memory == "device_used_gib" else "Process memory"
+        lines.append(
+            f"{label}, max after each phase (GiB): "
+            + ", ".join(f"{phase} {value:.2f}" for phase, value in peaks.items() if not math.isnan(value))
+        )
+    mismatch = _series(history, "sampling/sampling_logp_difference/mean")[1]
+    if mismatch:
+        lines.append(f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}")
+    retained = _series(history, "lora_merge/retained")[1]
+    exact = _series(history, "lora_merge/served_equals_trained")[1]
+    if exact:
+        lines.append(
+            f"Merge-aware LoRA: served weights equal the trained ones at {sum(exact):.0f} of {len(exact)} checks"
+        )
+    elif retained:
+        lines.append(f"Share of the LoRA update vLLM serves (last check): {retained[-1]:.2f}")
+    return "\n".join(lines)
+
+
+class PngWriter(TrainerCallback):
+    """Writes the run's figure to ``path`` at most every ``interval`` seconds, and at the end of training.
+
+    Args:
+        history: the live list of log events (``MetricsLog.history``).
+        path: the PNG file.
+        interval: seconds between redraws (drawing takes about half a second on a CPU).
+    """
+
+    def __init__(self, history: list[dict[str, Any]], path: str | Path, interval: float = 30.0) -> None:
+        self.history = history
+        self.path = Path(path)
+        self.interval = interval
+        self._last = time.monotonic()
+
+    def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if state.is_world_process_zero and self.history and time.monotonic() - self._last >= self.interval:
+            save_png(self.history, self.path)
+            self._last = time.monotonic()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if state.is_world_process_zero and self.history:
+            save_png(self.history, self.path)

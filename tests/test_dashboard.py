@@ -1,0 +1,84 @@
+"""The run figure and summary, fed a synthetic metric stream (Agg canvas, no display)."""
+
+import math
+from types import SimpleNamespace
+
+from colocate_grpo.dashboard import PHASES, PngWriter, draw, save_png, summary
+
+
+def synthetic_history(steps: int = 20, gpu: bool = False, merge_aware: bool = False) -> list[dict]:
+    memory = "device_used_gib" if gpu else "rss_gib"
+    history = []
+    for step in range(1, steps + 1):
+        event = {
+            "step": step,
+            "reward": 0.1 + 0.01 * step,
+            "reward_std": 0.3,
+            "completions/mean_length": 3.0,
+            "sampling/sampling_logp_difference/mean": 0.005,
+            "sampling/sampling_logp_difference/max": 0.05,
+            "time/step": 1.0,
+        }
+        for i, phase in enumerate(PHASES):
+            event[f"time/{phase}"] = 0.1 * (i + 1)
+            event[f"memory/{phase}/{memory}"] = 2.0 + 0.1 * i
+        if step % 5 == 1:
+            event["lora_merge/changed_fraction"] = 0.01 * step
+            if merge_aware:
+                event["lora_merge/served_equals_trained"] = 1.0
+            else:
+                event["lora_merge/retained"] = 0.02 * step
+        history.append(event)
+    return history
+
+
+def lines_by_label(ax) -> dict:
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+def test_figure_shows_each_series():
+    history = synthetic_history()
+    reward_ax, length_ax, merge_ax, memory_ax, time_ax, mismatch_ax = draw(history).axes
+    assert list(lines_by_label(reward_ax)["mean"].get_ydata()) == [e["reward"] for e in history]
+    smoothed = lines_by_label(reward_ax)["mean of 2 steps"].get_ydata()
+    assert smoothed[0] == history[0]["reward"] and abs(smoothed[5] - (0.15 + 0.16) / 2) < 1e-12
+    assert "update served (ordinary LoRA)" in lines_by_label(merge_ax)
+    assert len(lines_by_label(merge_ax)["update served (ordinary LoRA)"].get_xdata()) == 4
+    assert {f"after {p}" for p in PHASES} <= set(lines_by_label(memory_ax))
+    assert "Process memory" in memory_ax.get_title()
+    assert [c.get_label() for c in time_ax.containers] == list(PHASES)
+    assert len(time_ax.containers[0]) == len(history)
+    assert set(lines_by_label(mismatch_ax)) == {"mean", "max"}
+
+
+def test_gpu_and_merge_aware_runs_are_labelled_as_such():
+    _, _, merge_ax, memory_ax, _, _ = draw(synthetic_history(gpu=True, merge_aware=True)).axes
+    assert "served = trained, bitwise (merge-aware)" in lines_by_label(merge_ax)
+    assert "update served (ordinary LoRA)" not in lines_by_label(merge_ax)
+    assert "Device memory" in memory_ax.get_title()
+
+
+def test_png_is_written_whole(tmp_path):
+    path = save_png(synthetic_history(), tmp_path / "out" / "dashboard.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in path.parent.iterdir()] == ["dashboard.png"]
+
+
+def test_summary_fits_one_screen_and_says_what_matters():
+    text = summary(synthetic_history())
+    assert len(text.splitlines()) <= 10
+    assert "Steps: 20" in text and "first tenth 0.115 -> last tenth 0.295" in text
+    assert "train 33%" in text and "Mean |logprob vLLM - trainer|: 0.0050" in text
+    assert "update vLLM serves (last check): 0.32" in text
+    assert "equal the trained ones at 4 of 4 checks" in summary(synthetic_history(merge_aware=True))
+    assert summary([]) == "No steps logged."
+
+
+def test_png_writer_throttles_and_always_writes_at_the_end(tmp_path):
+    history = synthetic_history(3)
+    writer = PngWriter(history, tmp_path / "dashboard.png", interval=math.inf)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3)
+    writer.on_log(None, state, None)
+    assert not (tmp_path / "dashboard.png").exists()
+    writer.on_train_end(None, state, None)
+    assert (tmp_path / "dashboard.png").exists()
