@@ -1,0 +1,272 @@
+"""Stock TRL colocate against colocate_grpo, same random-weight model and GRPO settings, side by side.
+
+Each (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per
+process. The driver builds each shape's random-weight model once, runs both trainers, and prints
+a table with ratios (colocate_grpo / stock TRL): step time, sync time, overhead share (sleep +
+wake + sync over the step), device memory after each phase, mean |logp_vLLM - logp_trainer|
+and the base weights' drift after the run.
+
+    python bench/sync_vs_trl.py --shapes 1.5B --out bench/results/sync_vs_trl_1.5B.json   # GPU
+    python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
+
+Settings (FIELD_NOTES' anchors): LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
+completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {  # Qwen2.5 dimensions
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "7B": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+}
+PROMPT_TOKENS = 32
+WARMUP_STEPS = 2
+
+
+def diversity_reward(completions: list[str], **_: object) -> list[float]:
+    """Share of distinct tokens: a reward with spread on random-weight models."""
+    return [len(set(c.split())) / max(1, len(c.split())) for c in completions]
+
+
+def build_model(shape: str, directory: Path) -> str:
+    """A random-weight bf16 Qwen2 of ``shape`` with a word-level tokenizer covering its vocabulary."""
+    if shape == "tiny":
+        from colocate_grpo.tiny import tiny_model_path
+
+        return str(tiny_model_path())
+    if (directory / "config.json").exists():
+        return str(directory)
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    dims = SHAPES[shape]
+    vocab = {f"t{i}": i for i in range(dims["vocab_size"])}
+    word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="t0", pad_token="t0", unk_token="t1")
+    config = Qwen2Config(
+        **dims, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
+    """One training run in this process; returns its measurements."""
+    import random
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from colocate_grpo.config import VLLMConfig
+    from colocate_grpo.trainer import ColocateGRPOTrainer
+
+    cuda = torch.cuda.is_available()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rng = random.Random(0)
+    if tiny:
+        from colocate_grpo.tasks import arithmetic_dataset
+
+        dataset = arithmetic_dataset(size=256)
+    else:
+        vocab = len(tokenizer)
+        dataset = Dataset.from_dict(
+            {"prompt": [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(256)]}
+        )
+    completion_tokens = 4 if tiny else 256
+    max_model_len = 32 if tiny else 512
+    args = GRPOConfig(
+        output_dir=f"/tmp/sync_vs_trl/{kind}",
+        per_device_train_batch_size=64,
+        num_generations=8,
+        max_completion_length=completion_tokens,
+        learning_rate=1e-5,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=cuda,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        vllm_gpu_memory_utilization=0.1 if tiny else 0.3,
+        vllm_max_model_length=max_model_len,
+        seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
+    common = dict(
+        model=model, reward_funcs=[diversity_reward], args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    if kind == "stock":
+        trainer = GRPOTrainer(**common)
+    else:
+        # CUDA graphs on, as stock TRL's engine has them.
+        options = VLLMConfig(
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=False
+        )
+        trainer = ColocateGRPOTrainer(**common, vllm_options=options)
+
+    def device_used_gib() -> float:
+        if not cuda:
+            return 0.0
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+
+    step_log: list[dict] = []
+    current: dict = {}
+
+    def timed(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+                current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + time.perf_counter() - start
+                current[f"{name}_device_gib"] = max(current.get(f"{name}_device_gib", 0.0), device_used_gib())
+
+        return wrapper
+
+    generation = trainer.vllm_generation
+    generation.sync_weights = timed("sync", generation.sync_weights)
+    llm = generation.llm
+    llm.sleep = timed("sleep", llm.sleep)
+    llm.wake_up = timed("wake", llm.wake_up)
+    llm.generate = timed("generate", llm.generate)
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
+            current.clear()
+            current["start"] = time.perf_counter()
+
+        def on_step_end(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
+            if cuda:
+                torch.cuda.synchronize()
+            current["step_s"] = time.perf_counter() - current.pop("start")
+            current["train_device_gib"] = device_used_gib()
+            step_log.append(dict(current))
+
+        def on_log(self, args, state, control, logs=None, **_):  # noqa: ANN001, ANN003, ANN202
+            if logs and "sampling/sampling_logp_difference/mean" in logs and step_log:
+                step_log[-1]["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
+
+    trainer.add_callback(Steps())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    drift = [
+        (p.detach().cpu().float() - base_before[n].float()).abs()
+        for n, p in model.named_parameters()
+        if "lora_" not in n
+    ]
+    measured = step_log[WARMUP_STEPS:] or step_log
+
+    def median(key: str) -> float:
+        values = [s.get(key, 0.0) for s in measured]
+        return statistics.median(values) if values else float("nan")
+
+    overhead = [(s.get("sleep_s", 0) + s.get("wake_s", 0) + s.get("sync_s", 0)) / s["step_s"] for s in measured]
+    return {
+        "kind": kind,
+        "steps": step_log,
+        "step_s": median("step_s"),
+        "sync_s": median("sync_s"),
+        "overhead_share": statistics.median(overhead),
+        "peak_device_gib": {
+            phase: max(s.get(f"{phase}_device_gib", 0.0) for s in step_log)
+            for phase in ("sync", "wake", "generate", "sleep", "train")
+        },
+        "trainer_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "logp_diff": statistics.mean(s["logp_diff"] for s in step_log if "logp_diff" in s),
+        "base_drift_max": max(float(d.max()) for d in drift),
+        "base_drift_fraction": sum(int((d > 0).sum()) for d in drift) / sum(d.numel() for d in drift),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1.5B", "7B"], help="1.5B, 7B, or tiny (CPU check)")
+    parser.add_argument("--kinds", nargs="+", default=["stock", "ours"])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default="sync_vs_trl.json")
+    parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
+    parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("TRL_TELEMETRY", "0")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.child:
+        kind, model_path, out = args.child
+        Path(out).write_text(json.dumps(run_one(kind, model_path, args.steps, tiny="tiny" in model_path)))
+        return
+
+    results = []
+    Path(args.models).mkdir(parents=True, exist_ok=True)
+    for shape in args.shapes:
+        model_path = build_model(shape, Path(args.models) / shape)
+        for kind in args.kinds:
+            out = Path(args.models) / f"{shape}-{kind}.json"
+            out.unlink(missing_ok=True)
+            command = [sys.executable, __file__, "--steps", str(args.steps), "--child", kind, model_path, str(out)]
+            run = subprocess.run(command, capture_output=True, text=True)
+            if run.returncode != 0 or not out.exists():
+                print(f"{shape} {kind}: failed (exit {run.returncode})\n{run.stderr[-3000:]}", file=sys.stderr)
+                results.append({"shape": shape, "kind": kind, "failed": run.stderr[-3000:]})
+                continue
+            results.append({"shape": shape, **json.loads(out.read_text())})
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+    keys = ["step_s", "sync_s", "overhead_share", "trainer_peak_allocated_gib", "logp_diff", "base_drift_max"]
+    print(f"{'shape':6} {'kind':6} " + " ".join(f"{k:>14}" for k in keys) + f" {'peak device GiB by phase':>30}")
+    for r in results:
+        if "failed" in r:
+            print(f"{r['shape']:6} {r['kind']:6} failed")
+            continue
+        peaks = " ".join(f"{p}={v:.1f}" for p, v in r["peak_device_gib"].items())
+        print(f"{r['shape']:6} {r['kind']:6} " + " ".join(f"{r[k]:>14.4g}" for k in keys) + f"  {peaks}")
+    for shape in args.shapes:
+        pair = {r["kind"]: r for r in results if r["shape"] == shape and "failed" not in r}
+        if {"stock", "ours"} <= set(pair):
+            ratios = ", ".join(f"{k} {pair['ours'][k] / pair['stock'][k]:.3g}x" for k in keys[:4] if pair["stock"][k])
+            print(f"{shape}: ours / stock: {ratios}")
+
+
+if __name__ == "__main__":
+    main()
