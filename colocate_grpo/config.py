@@ -180,7 +180,6 @@ OWN_TRL_KEYS: dict[str, type | types.UnionType] = {
     "reward_funcs": list[str],
     "vllm_merge_check_interval": int,
     "vllm_lora_sync": bool,
-    "vllm_sync_interval": int,
 }
 # GRPOConfig fields that the top level or the vllm: block sets; one place for each setting.
 _TRL_KEYS_SET_ELSEWHERE = {
@@ -454,6 +453,11 @@ def _check_trl_block(trl: dict[str, Any]) -> None:
     for key, value in trl.items():
         if key in _TRL_KEYS_SET_ELSEWHERE:
             raise ConfigError(f"Set '{_TRL_KEYS_SET_ELSEWHERE[key]}' instead of 'trl.{key}' (one place per setting).")
+        if key == "vllm_sync_interval":
+            raise ConfigError(
+                "'trl.vllm_sync_interval' is not supported: the colocated engine gets the new weights before every "
+                "generation (syncing is cheap in-process, and stale weights would make sampling off-policy). Remove it."
+            )
         if key in _SERVER_KEYS:
             raise ConfigError(f"'trl.{key}' is a server-mode setting; colocate_grpo runs vLLM in-process. Remove it.")
         if key not in known:

@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,10 +221,6 @@ class Engine:
         executor = self._require_open().llm_engine.model_executor
         return executor.driver_worker.worker.model_runner.model
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine's parameters under vLLM's names (read-only view, for checks)."""
-        return iter(self.model.named_parameters())
-
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes: after the weights change they describe another policy."""
         self._require_open().reset_prefix_cache()
@@ -243,10 +239,6 @@ class Engine:
     @property
     def llm_engine(self) -> Any:
         return self._require_open().llm_engine
-
-    @property
-    def max_model_len(self) -> int:
-        return self.llm_engine.model_config.max_model_len
 
     # --- lifetime ----------------------------------------------------------------------------
     def serves(self, model_path: str, options: VLLMConfig, dtype: str) -> bool:

@@ -57,6 +57,7 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"trl": {"vllm_lora_sync": True}}, ["cannot be used in colocate mode"]),
         ({"trl": {"vllm_mode": "server"}}, ["'trl.vllm_mode: server' is not supported"]),
         ({"trl": {"vllm_server_host": "0.0.0.0"}}, ["server-mode setting"]),
+        ({"trl": {"vllm_sync_interval": 5}}, ["'trl.vllm_sync_interval' is not supported"]),
         ({"trl": {"learning_rate": 1e-5}}, ["Set 'learning_rate' instead of 'trl.learning_rate'"]),
         ({"micro_batch_size": 6}, ["must be a multiple of trl.num_generations (8)"]),
         ({"trl": {"num_generations": 1}}, ["'trl.num_generations' must be at least 2"]),
