@@ -125,7 +125,8 @@ def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset
 
 def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> None:
     """A reward that needs a keyword the dataset lacks would fail mid-run; fail now instead."""
-    available = set(dataset.column_names) | {
+    # What TRL 1.16 passes besides the dataset columns (GRPOTrainer._calculate_rewards).
+    trl_kwargs = {
         "prompts",
         "completions",
         "completion_ids",
@@ -133,8 +134,8 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
         "log_extra",
         "log_metric",
         "environments",
-        "tools",
     }
+    available = set(dataset.column_names) | trl_kwargs
     for func in rewards:
         for name, param in inspect.signature(func).parameters.items():
             needed = param.default is inspect.Parameter.empty and param.kind in (
