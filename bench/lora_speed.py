@@ -17,6 +17,7 @@ import statistics
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
+from shapes import QWEN25
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from colocate_grpo import lora
@@ -30,15 +31,7 @@ LAYER_SHAPES = {  # (out_features, in_features)
     "7B gate_proj": (18944, 3584),
     "7B down_proj": (3584, 18944),
 }
-MODEL_1_5B = dict(
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=8192,
-)
+MODEL_1_5B = {**QWEN25["1.5B"], "max_position_embeddings": 8192}
 
 
 def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:

@@ -24,24 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = {  # Qwen2.5 dimensions
-    "1.5B": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-    "7B": dict(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-    ),
-}
+from shapes import QWEN25
+
+SHAPES = QWEN25
 PROMPT_TOKENS = 32
 WARMUP_STEPS = 2
 

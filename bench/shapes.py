@@ -1,0 +1,20 @@
+"""Qwen2.5 model dimensions used by the benchmarks (random weights are built from these)."""
+
+QWEN25 = {
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "7B": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+}
