@@ -1,11 +1,13 @@
-"""Views of a run: one figure of its metrics, written as a PNG by the CLI, and a one-screen summary.
+"""Views of a run: one figure of its metrics, live in a notebook or as a PNG, and a one-screen summary.
 
 Everything here reads the metric history (the events of ``metrics.jsonl``) and draws with
 matplotlib's object API on the Agg canvas: no pyplot state, no GUI, safe in any process.
+ipywidgets is imported only by :class:`LiveDashboard`, when a notebook asks for it.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import time
 from pathlib import Path
@@ -46,7 +48,7 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     """Draw the run's five panels (reward, completion length, merge, memory by phase, step time) on a figure."""
     figure = figure or Figure(figsize=(15, 8), layout="constrained")
     figure.clear()
-    axes = figure.subplots(2, 3)
+    axes = figure.subplots(2, 3, sharex=True)
     reward_ax, length_ax, merge_ax, memory_ax, time_ax, mismatch_ax = axes.flat
 
     steps, reward = _series(history, "reward")
@@ -80,7 +82,14 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
         merge_ax.axhline(0.5, color="#d94801", alpha=0.3, linewidth=1)
         merge_ax.legend(loc="center right", fontsize="small")
     else:
-        merge_ax.text(0.5, 0.5, "no merge check yet", ha="center", va="center", transform=merge_ax.transAxes)
+        merge_ax.text(
+            0.5,
+            0.5,
+            "no update measured yet\n(checks every trl.vllm_merge_check_interval steps)",
+            ha="center",
+            va="center",
+            transform=merge_ax.transAxes,
+        )
 
     memory = _memory_key(history)
     for phase in PHASES:
@@ -108,7 +117,16 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     )
     mismatch_ax.set(title="|logprob vLLM - logprob trainer|", xlabel="step", yscale="log")
     mismatch_ax.legend(loc="upper right", fontsize="small")
+    for ax in axes[0]:  # the shared step axis is labelled on the bottom row
+        ax.set_xlabel("")
     return figure
+
+
+def png_bytes(history: list[dict[str, Any]], figure: Figure | None = None) -> bytes:
+    """The run's figure as PNG bytes."""
+    buffer = io.BytesIO()
+    FigureCanvasAgg(draw(history, figure)).print_png(buffer)
+    return buffer.getvalue()
 
 
 def save_png(history: list[dict[str, Any]], path: str | Path) -> Path:
@@ -182,3 +200,53 @@ class PngWriter(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if state.is_world_process_zero and self.history:
             save_png(self.history, self.path)
+
+
+class LiveDashboard(TrainerCallback):
+    """The run's figure and a status line, live in the notebook cell that trains.
+
+    Redraws after a log event once ``interval`` seconds have passed, and never sooner than 100
+    times the last redraw took, so that drawing costs at most 1% of the run; and at the end.
+
+    Args:
+        history: the live list of log events (``MetricsLog.history``); it can be set later, so that
+            the widget shows while the model and the engine load.
+        interval: shortest time between redraws, in seconds.
+    """
+
+    def __init__(self, history: list[dict[str, Any]] | None = None, interval: float = 5.0) -> None:
+        import ipywidgets
+        from IPython.display import display
+
+        self.history = history if history is not None else []
+        self.interval = interval
+        self.figure = Figure(figsize=(15, 8), layout="constrained")
+        self.status = ipywidgets.HTML("<b>colocate_grpo</b>: starting (loading the model and the vLLM engine)")
+        self.image = ipywidgets.Image(format="png", layout=ipywidgets.Layout(width="100%"))
+        self.widget = ipywidgets.VBox([self.status, self.image])
+        self.drawing_seconds = 0.0
+        self._last_draw_seconds = 0.0
+        self._last = -math.inf
+        display(self.widget)
+
+    def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        wait = max(self.interval, 100 * self._last_draw_seconds)
+        if self.history and time.monotonic() - self._last >= wait:
+            self.redraw(state.global_step, state.max_steps)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        if self.history:
+            self.redraw(state.global_step, state.max_steps, done=True)
+
+    def redraw(self, step: int, max_steps: int, done: bool = False) -> None:
+        started = time.perf_counter()
+        self.image.value = png_bytes(self.history, self.figure)
+        reward = _series(self.history, "reward")[1]
+        recent = reward[-max(1, len(reward) // 10) :]
+        text = f"step {step} of {max_steps}" + (" (done)" if done else "")
+        if recent:
+            text += f" | reward, last {len(recent)} steps: {sum(recent) / len(recent):.3f}"
+        self.status.value = f"<b>colocate_grpo</b>: {text}"
+        self._last_draw_seconds = time.perf_counter() - started
+        self.drawing_seconds += self._last_draw_seconds
+        self._last = time.monotonic()

@@ -20,7 +20,7 @@ import yaml
 from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
-from colocate_grpo.dashboard import PngWriter, summary
+from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
 from colocate_grpo.sync import save_merged
 
@@ -121,8 +121,14 @@ def build_trainer(config: Config | str | Path | dict | None = None, callbacks: l
         vllm_options=config.vllm,
         merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
     )
-    if any(isinstance(cb, ProgressCallback) for cb in trainer.callback_handler.callbacks):
-        trainer.remove_callback(ProgressCallback)
+    # transformers prints every metric per log (a table in notebooks); show a bar with the reward instead.
+    # Only a notebook has transformers' notebook module loaded (it imports IPython, which the CLI may lack).
+    notebook_progress = getattr(sys.modules.get("transformers.utils.notebook"), "NotebookProgressCallback", None)
+    progress_types = tuple(t for t in (ProgressCallback, notebook_progress) if t is not None)
+    progress = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, progress_types)]
+    if progress:
+        for callback in progress:
+            trainer.remove_callback(callback)
         trainer.add_callback(_RewardProgress())
     trainer.metrics = metrics
     trainer.run_config = config
@@ -130,7 +136,10 @@ def build_trainer(config: Config | str | Path | dict | None = None, callbacks: l
 
 
 def train(
-    config: Config | str | Path | dict | None = None, callbacks: list | None = None, plots: bool = False
+    config: Config | str | Path | dict | None = None,
+    callbacks: list | None = None,
+    plots: bool = False,
+    dashboard: bool = False,
 ) -> TrainResult:
     """Run GRPO as ``config`` says and save the adapter, the config and ``metrics.jsonl`` to output_dir.
 
@@ -140,11 +149,13 @@ def train(
         config: a :class:`Config`, a YAML path or text, a dict, or None for the tiny default job.
         callbacks: extra ``transformers.TrainerCallback`` objects (e.g. the notebook dashboard).
         plots: also write ``output_dir/dashboard.png`` during and after training (the CLI does).
+        dashboard: show the live dashboard in the notebook cell that runs this (needs ipywidgets).
 
     Raises:
         ConfigError: on bad input, before any model is loaded or any file is written.
     """
     started = time.perf_counter()
+    live = LiveDashboard() if dashboard else None  # on screen at once, while the model and the engine load
     trainer = build_trainer(config, callbacks)
     config, metrics = trainer.run_config, trainer.metrics
     output_dir = Path(config.output_dir)
@@ -153,6 +164,9 @@ def train(
     (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plots:
         trainer.add_callback(PngWriter(metrics.history, output_dir / "dashboard.png"))
+    if live is not None:
+        live.history = metrics.history
+        trainer.add_callback(live)
     try:
         trainer.train()
         trainer.save_model(str(output_dir))

@@ -3,7 +3,7 @@
 import math
 from types import SimpleNamespace
 
-from colocate_grpo.dashboard import PHASES, PngWriter, draw, save_png, summary
+from colocate_grpo.dashboard import PHASES, LiveDashboard, PngWriter, draw, save_png, summary
 
 
 def synthetic_history(steps: int = 20, gpu: bool = False, merge_aware: bool = False) -> list[dict]:
@@ -82,3 +82,22 @@ def test_png_writer_throttles_and_always_writes_at_the_end(tmp_path):
     assert not (tmp_path / "dashboard.png").exists()
     writer.on_train_end(None, state, None)
     assert (tmp_path / "dashboard.png").exists()
+
+
+def test_live_dashboard_redraws_in_place_and_keeps_drawing_under_one_percent():
+    history = synthetic_history(5)
+    live = LiveDashboard(interval=0.0)
+    live.history = history
+    state = SimpleNamespace(global_step=5, max_steps=100)
+    live.on_log(None, state, None)
+    assert live.image.value[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step 5 of 100" in live.status.value and "reward, last 1 steps: 0.150" in live.status.value
+    drawn, first = live.drawing_seconds, live.image.value
+    history.extend(synthetic_history(10)[5:])
+    live.on_log(None, state, None)  # sooner than 100x the last draw: no redraw
+    assert live.drawing_seconds == drawn and live.image.value is first
+    live._last -= 100 * live._last_draw_seconds  # as if that long had passed
+    live.on_log(None, state, None)
+    assert live.drawing_seconds > drawn and live.image.value != first
+    live.on_train_end(None, SimpleNamespace(global_step=10, max_steps=10), None)
+    assert "(done)" in live.status.value
