@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,3 +181,37 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
 
         install_merge_aware(model, config.lora_merge_aware)
     return model
+
+
+def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int = 2) -> None:
+    """Call each reward on the first prompts with empty completions, as TRL will, and check its answer.
+
+    A reward that raises, or answers with NaN, None or the wrong number of scores, would otherwise
+    stop the run after the model and the engine have loaded, with a traceback.
+    """
+    rows = dataset.select(range(min(samples, len(dataset))))
+    prompts = rows["prompt"]
+    chat = bool(prompts) and isinstance(prompts[0], list)
+    completions = [[{"role": "assistant", "content": ""}] if chat else "" for _ in prompts]
+    columns = {name: rows[name] for name in rows.column_names if name != "prompt"}
+    for func in rewards:
+        name = f"{func.__module__}.{func.__qualname__}"
+        try:
+            scores = func(prompts=prompts, completions=completions, completion_ids=[[] for _ in prompts], **columns)
+        except Exception as err:  # the user's code: any exception means it cannot score
+            raise ConfigError(
+                f"Reward '{name}' raised {type(err).__name__}: {err} when scoring empty completions of the first "
+                f"{len(prompts)} prompts. Make it return a score (e.g. 0.0) for any completion."
+            ) from None
+        if not isinstance(scores, list | tuple) or len(scores) != len(prompts):
+            count = len(scores) if hasattr(scores, "__len__") else type(scores).__name__
+            raise ConfigError(
+                f"Reward '{name}' returned {count} scores for {len(prompts)} completions: it must return a list "
+                "with one float per completion."
+            )
+        bad = [s for s in scores if not isinstance(s, int | float) or math.isnan(s)]
+        if bad:
+            raise ConfigError(
+                f"Reward '{name}' returned {bad[0]!r} for an empty completion: every score must be a number "
+                "(not NaN or None); give 0.0 to completions that earn nothing."
+            )

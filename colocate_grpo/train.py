@@ -106,6 +106,7 @@ def build_trainer(config: Config | str | Path | dict | None = None, callbacks: l
     tokenizer = models.load_tokenizer(path)
     dataset = models.build_dataset(config, tokenizer)
     models.check_rewards_match_dataset(rewards, dataset)
+    models.check_rewards_run(rewards, dataset)
     args = grpo_args(config, device, models.training_dtype(device))
     model = models.load_model(config, path, device)
     from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good

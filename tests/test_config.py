@@ -133,3 +133,39 @@ def test_readme_test_command_is_what_ci_runs():
     readme = (REPO / "README.md").read_text()
     ci_command = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci_command in readme
+
+
+BAD_REWARDS = """
+def raises(completions, **kwargs):
+    raise KeyError("answer")
+
+
+def nan(completions, **kwargs):
+    return [float("nan") for _ in completions]
+
+
+def none(completions, **kwargs):
+    return [None for _ in completions]
+
+
+def too_few(completions, **kwargs):
+    return [1.0]
+"""
+
+
+@pytest.mark.parametrize(
+    ("reward", "fragment"),
+    [
+        ("raises", "raised KeyError: 'answer'"),
+        ("nan", "returned nan for an empty completion"),
+        ("none", "returned None for an empty completion"),
+        ("too_few", "returned 1 scores for 2 completions"),
+    ],
+)
+def test_cli_bad_reward_functions_exit_2_before_training(tmp_path, reward, fragment):
+    (tmp_path / "my_rewards.py").write_text(BAD_REWARDS)
+    (tmp_path / "cfg.yaml").write_text(f"output_dir: out\ntrl:\n  reward_funcs: [my_rewards.{reward}]\n")
+    result = run_cli("cfg.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert fragment in result.stderr and f"my_rewards.{reward}" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
