@@ -1,5 +1,6 @@
 """The validator on good and bad configs, and the CLI's exit codes and messages."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,40 @@ def test_cli_bad_reward_functions_exit_2_before_training(tmp_path, reward, fragm
     assert result.returncode == 2, result.stderr
     assert fragment in result.stderr and f"my_rewards.{reward}" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def local_dataset(tmp_path) -> str:
+    folder = tmp_path / "sums"
+    folder.mkdir()
+    rows = [{"question": f"{a}+{a}=", "answer": str(2 * a)} for a in range(8)]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return str(folder)
+
+
+def dataset_config(tmp_path, **dataset) -> dict:
+    return {
+        "output_dir": str(tmp_path / "out"),
+        "task": None,
+        "dataset": {"path": local_dataset(tmp_path), **dataset},
+        "trl": {"reward_funcs": ["colocate_grpo.tasks.accuracy_reward"]},
+    }
+
+
+def test_a_local_dataset_becomes_chat_prompts_with_answers(tmp_path):
+    from colocate_grpo import models
+
+    config = load_config(
+        dataset_config(tmp_path, prompt_column="question", answer_column="answer", system_prompt="Add.")
+    )
+    tokenizer = models.load_tokenizer(models.model_path(config))
+    dataset = models.build_dataset(config, tokenizer)
+    assert dataset[1]["prompt"] == [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
+    assert dataset[1]["answer"] == "2" and set(dataset.column_names) == {"prompt", "answer"}
+
+
+def test_a_missing_dataset_column_is_named_with_the_columns_there(tmp_path):
+    from colocate_grpo.train import build_trainer
+
+    with pytest.raises(ConfigError, match=r"'dataset.prompt_column: prompt' is not a column .* question, answer"):
+        build_trainer(dataset_config(tmp_path, answer_column="answer"))
+    assert not (tmp_path / "out").exists()
