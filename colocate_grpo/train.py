@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from transformers.trainer_callback import ProgressCallback
@@ -23,6 +23,9 @@ from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
 from colocate_grpo.sync import save_merged
+
+if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
+    from colocate_grpo.trainer import ColocateGRPOTrainer
 
 DEFAULT_CONFIG = "tiny.yaml"
 
@@ -86,7 +89,9 @@ class _RewardProgress(ProgressCallback):
             self.training_bar.set_postfix(reward=f"{logs[REWARD_KEY]:.3f}", refresh=False)
 
 
-def build_trainer(config: Config | str | Path | dict | None = None, callbacks: list | None = None) -> Any:
+def build_trainer(
+    config: Config | str | Path | dict | None = None, callbacks: list | None = None
+) -> ColocateGRPOTrainer:
     """A ready :class:`~colocate_grpo.trainer.ColocateGRPOTrainer` for ``config``; nothing written yet.
 
     The trainer carries ``metrics`` (a :class:`MetricsLog`) and ``run_config``. Its engine is the
