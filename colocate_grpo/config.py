@@ -132,6 +132,10 @@ class Config:
     max_prompt_length: int = field(default=512, metadata={"help": "Longest prompt in tokens (sizes the engine)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Trade compute for activation memory."})
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "A checkpoint-N folder to continue from (adapter, optimizer, scheduler), or 'latest'."},
+    )
     save_merged: bool = field(
         default=False,
         metadata={"help": "Also write output_dir/merged: a bf16 model whose weights equal what vLLM served."},

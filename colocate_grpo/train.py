@@ -81,6 +81,31 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
     )
 
 
+def resume_checkpoint(config: Config) -> str | None:
+    """The checkpoint folder ``resume_from_checkpoint`` names (``latest``: the newest in output_dir).
+
+    Raises:
+        ConfigError: when it names no checkpoint.
+    """
+    wanted = config.resume_from_checkpoint
+    if wanted is None:
+        return None
+    if wanted == "latest":
+        found = sorted(Path(config.output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
+        if not found:
+            raise ConfigError(
+                f"'resume_from_checkpoint: latest' but {config.output_dir} has no checkpoint-N folder. Set save_steps "
+                "to write checkpoints, or remove resume_from_checkpoint to start afresh."
+            )
+        return str(found[-1])
+    if not (Path(wanted) / "trainer_state.json").is_file():
+        raise ConfigError(
+            f"'resume_from_checkpoint: {wanted}' is not a checkpoint folder (no trainer_state.json there). Give a "
+            "checkpoint-N folder from an earlier run's output_dir, or 'latest'."
+        )
+    return wanted
+
+
 class _RewardProgress(ProgressCallback):
     """transformers' progress bar, with the reward in its postfix instead of a printed dict per log."""
 
@@ -161,12 +186,16 @@ def train(
         ConfigError: on bad input, before any model is loaded or any file is written.
     """
     started = time.perf_counter()
+    if not isinstance(config, Config):
+        config = load_config(default_config_path() if config is None else config)
+    checkpoint = resume_checkpoint(config)
     live = LiveDashboard() if dashboard else None  # on screen at once, while the model and the engine load
     trainer = build_trainer(config, callbacks)
-    config, metrics = trainer.run_config, trainer.metrics
+    metrics = trainer.metrics
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    metrics.path.unlink(missing_ok=True)
+    if checkpoint is None:
+        metrics.path.unlink(missing_ok=True)  # a fresh run; a resumed one appends
     (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plots:
         trainer.add_callback(PngWriter(metrics.history, output_dir / "dashboard.png"))
@@ -174,7 +203,7 @@ def train(
         live.history = metrics.history
         trainer.add_callback(live)
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model(str(output_dir))
         if config.save_merged:
             save_merged(trainer.model, output_dir / "merged", trainer.processing_class)

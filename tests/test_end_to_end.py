@@ -4,10 +4,12 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, TrainerCallback
 from vllm import SamplingParams
 
-from colocate_grpo.config import load_config
+from colocate_grpo.config import ConfigError, load_config
 from colocate_grpo.engine import Weights, live_engine
 from colocate_grpo.sync import push_weights, save_merged, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path, train
@@ -140,3 +142,32 @@ def test_default_job_learns(tmp_path):
     result = train(load_config(default_config_path()).to_dict() | {"output_dir": str(tmp_path / "run")})
     # Seeds 0, 1, 2 on a 2-core CPU rose by 0.07, 0.09 and 0.12 over 300 steps.
     assert result.reward_end > result.reward_start + 0.05, result.summary()
+
+
+def test_resume_continues_from_the_checkpoint_with_its_adapter(tmp_path):
+    first = train(tiny_config(tmp_path, max_steps=2, save_steps=2))
+    checkpoint = first.output_dir / "checkpoint-2"
+    assert {"adapter_model.safetensors", "optimizer.pt", "scheduler.pt"} <= {p.name for p in checkpoint.iterdir()}
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    loaded = {}
+
+    class AdapterAtStart(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            loaded.update(get_peft_model_state_dict(model))
+            loaded["step"] = state.global_step
+
+    resumed = train(
+        tiny_config(tmp_path, max_steps=3, save_steps=2, resume_from_checkpoint="latest"), callbacks=[AdapterAtStart()]
+    )
+    assert loaded.pop("step") == 2
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k].cpu()) for k in saved)
+    assert [step for step, _ in resumed.metrics.series("reward")] == [3]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({step for step in logged if step <= 3}) == [1, 2, 3]
+
+
+def test_resume_from_nothing_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="has no checkpoint-N folder"):
+        train(tiny_config(tmp_path, resume_from_checkpoint="latest"))
+    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+        train(tiny_config(tmp_path, resume_from_checkpoint=str(tmp_path)))
