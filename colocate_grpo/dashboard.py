@@ -17,16 +17,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from transformers import TrainerCallback
 
-from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth
+from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth, series
 
 PHASES = (*ENGINE_PHASES, "train")
 PHASE_COLORS = {"wake": "#9ecae1", "sync": "#fd8d3c", "generate": "#6baed6", "sleep": "#c6dbef", "train": "#74c476"}
 
 
 def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [
-        (e["step"], float(e[key])) for e in history if isinstance(e.get(key), int | float) and not math.isnan(e[key])
-    ]
+    """Steps and values of one metric, as two lists for plotting."""
+    points = series(history, key)
     return [s for s, _ in points], [v for _, v in points]
 
 

@@ -12,13 +12,14 @@ so TRL's generation code drives it unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import logging
 import os
 import random
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,22 +303,19 @@ def _shutdown(llm: Any) -> None:
     destroy_distributed_environment()
 
 
-class _preserved_rng_and_threads:
+@contextlib.contextmanager
+def _preserved_rng_and_threads() -> Iterator[None]:
     """Creating an LLM reseeds Python, NumPy and torch RNGs and (on CPU) patches torch.set_num_threads."""
-
-    def __enter__(self) -> None:
-        self.python = random.getstate()
-        self.numpy = np.random.get_state()
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        self.set_num_threads = torch.set_num_threads
-        self.num_threads = torch.get_num_threads()
-
-    def __exit__(self, *exc: object) -> None:
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        torch.set_num_threads = self.set_num_threads
-        torch.set_num_threads(self.num_threads)
+    python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(num_threads)

@@ -44,11 +44,14 @@ class MetricsLog(TrainerCallback):
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """(step, value) pairs of one metric, in order, skipping missing and NaN values."""
-        return [
-            (e["step"], float(e[key]))
-            for e in self.history
-            if isinstance(e.get(key), int | float) and not math.isnan(e[key])
-        ]
+        return series(self.history, key)
+
+
+def series(history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of metric ``key`` in a list of log events, skipping missing and NaN values."""
+    return [
+        (e["step"], float(e[key])) for e in history if isinstance(e.get(key), int | float) and not math.isnan(e[key])
+    ]
 
 
 def first_and_last_tenth(values: list[float]) -> tuple[float, float]:
