@@ -1,6 +1,8 @@
 """Stock TRL colocate against colocate_grpo, same random-weight model and GRPO settings, side by side.
 
-Each (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per
+Three trainers: stock TRL (``stock``), colocate_grpo with the same ordinary PEFT LoRA (``ours``),
+and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``). Each (shape, trainer)
+pair runs in its own process: vLLM allows one sleep-mode engine per
 process. The driver builds each shape's random-weight model once, runs both trainers, and prints
 a table with ratios (colocate_grpo / stock TRL): step time, sync time, overhead share (sleep +
 wake + sync over the step), device memory after each phase, mean |logp_vLLM - logp_trainer|
@@ -23,8 +25,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shapes import QWEN25
+
+if TYPE_CHECKING:
+    import torch
 
 SHAPES = QWEN25
 PROMPT_TOKENS = 32
@@ -62,6 +68,25 @@ def build_model(shape: str, directory: Path) -> str:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def copy_floor_s(model: torch.nn.Module) -> float:
+    """Seconds to read and write the model's bytes once on the device: the floor for any sync."""
+    import torch
+
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" not in n)
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del source, target
+    torch.cuda.empty_cache()
+    return min(times)
 
 
 def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
@@ -113,6 +138,11 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    if kind == "ours-ma":
+        from colocate_grpo.lora import install_merge_aware
+
+        install_merge_aware(model, "bf16")
+    floor_s = copy_floor_s(model) if cuda else float("nan")
     base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
     common = dict(
         model=model, reward_funcs=[diversity_reward], args=args, train_dataset=dataset, processing_class=tokenizer
@@ -134,18 +164,24 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
     step_log: list[dict] = []
     current: dict = {}
+    depth = [0]
 
     def timed(name: str, fn):  # noqa: ANN001, ANN202
         def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
+            depth[0] += 1
             try:
                 return fn(*a, **k)
             finally:
+                depth[0] -= 1
                 if cuda:
                     torch.cuda.synchronize()
-                current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + elapsed
+                if depth[0] == 0 and name != "generate":  # a wake inside a sync counts once
+                    current["overhead_s"] = current.get("overhead_s", 0.0) + elapsed
                 current[f"{name}_device_gib"] = max(current.get(f"{name}_device_gib", 0.0), device_used_gib())
 
         return wrapper
@@ -183,17 +219,30 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
         if "lora_" not in n
     ]
     measured = step_log[WARMUP_STEPS:] or step_log
+    # More syncs from the same state the loop syncs from: asleep at level 2, weights discarded.
+    repeat_sync_s = []
+    for _ in range(10):
+        generation.llm.sleep(level=2)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        generation.sync_weights()
+        if cuda:
+            torch.cuda.synchronize()
+        repeat_sync_s.append(time.perf_counter() - start)
 
     def median(key: str) -> float:
         values = [s.get(key, 0.0) for s in measured]
         return statistics.median(values) if values else float("nan")
 
-    overhead = [(s.get("sleep_s", 0) + s.get("wake_s", 0) + s.get("sync_s", 0)) / s["step_s"] for s in measured]
+    overhead = [s.get("overhead_s", 0.0) / s["step_s"] for s in measured]
     return {
         "kind": kind,
         "steps": step_log,
         "step_s": median("step_s"),
         "sync_s": median("sync_s"),
+        "repeat_sync_s": statistics.median(repeat_sync_s),
+        "copy_floor_s": floor_s,
         "overhead_share": statistics.median(overhead),
         "peak_device_gib": {
             phase: max(s.get(f"{phase}_device_gib", 0.0) for s in step_log)
@@ -209,7 +258,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "7B"], help="1.5B, 7B, or tiny (CPU check)")
-    parser.add_argument("--kinds", nargs="+", default=["stock", "ours"])
+    parser.add_argument("--kinds", nargs="+", default=["stock", "ours", "ours-ma"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="sync_vs_trl.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
@@ -238,19 +287,37 @@ def main() -> None:
             results.append({"shape": shape, **json.loads(out.read_text())})
     Path(args.out).write_text(json.dumps(results, indent=1))
 
-    keys = ["step_s", "sync_s", "overhead_share", "trainer_peak_allocated_gib", "logp_diff", "base_drift_max"]
-    print(f"{'shape':6} {'kind':6} " + " ".join(f"{k:>14}" for k in keys) + f" {'peak device GiB by phase':>30}")
+    print(table(results))
+
+
+RATIO_KEYS = ["step_s", "sync_s", "repeat_sync_s", "overhead_share", "trainer_peak_allocated_gib", "logp_diff"]
+
+
+def table(results: list[dict]) -> str:
+    """A Markdown table of the runs, then each of ours against stock TRL as ratios."""
+    keys = [*RATIO_KEYS, "copy_floor_s", "base_drift_max"]
+    lines = ["| shape | kind | " + " | ".join(keys) + " | peak device GiB by phase |", "|---" * (len(keys) + 3) + "|"]
     for r in results:
         if "failed" in r:
-            print(f"{r['shape']:6} {r['kind']:6} failed")
+            lines.append(f"| {r['shape']} | {r['kind']} | failed |")
             continue
         peaks = " ".join(f"{p}={v:.1f}" for p, v in r["peak_device_gib"].items())
-        print(f"{r['shape']:6} {r['kind']:6} " + " ".join(f"{r[k]:>14.4g}" for k in keys) + f"  {peaks}")
-    for shape in args.shapes:
-        pair = {r["kind"]: r for r in results if r["shape"] == shape and "failed" not in r}
-        if {"stock", "ours"} <= set(pair):
-            ratios = ", ".join(f"{k} {pair['ours'][k] / pair['stock'][k]:.3g}x" for k in keys[:4] if pair["stock"][k])
-            print(f"{shape}: ours / stock: {ratios}")
+        lines.append(f"| {r['shape']} | {r['kind']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + f" | {peaks} |")
+    lines.append("")
+    for shape in dict.fromkeys(r["shape"] for r in results):
+        runs = {r["kind"]: r for r in results if r["shape"] == shape and "failed" not in r}
+        stock = runs.get("stock")
+        for kind, ours in runs.items():
+            if kind == "stock":
+                continue
+            floor = f"sync / copy floor {ours['repeat_sync_s'] / ours['copy_floor_s']:.3g}x"
+            if stock is None:
+                lines.append(f"{shape} {kind}: {floor}")
+                continue
+            ratios = ", ".join(f"{k} {ours[k] / stock[k]:.3g}x" for k in RATIO_KEYS if stock[k])
+            peak = max(ours["peak_device_gib"].values()) / max(stock["peak_device_gib"].values())
+            lines.append(f"{shape} {kind} / stock: {ratios}, peak device {peak:.3g}x; {floor}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

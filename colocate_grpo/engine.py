@@ -194,27 +194,68 @@ class Engine:
 
     # --- weights -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy weights, under Hugging Face names, into the engine's parameters in place.
+        """Copy weights, under Hugging Face names, into the engine's parameters through vLLM's loader.
 
         Wakes the weights first if needed. Fused groups (q/k/v, gate/up) must arrive whole on CPU,
         where vLLM repacks its linear layers and only reloading through the checkpoint path works.
         If it raises (or is interrupted) part way, the weights count as not loaded: generation is
         refused until a load completes.
         """
-        llm = self._require_open()
-        self.wake_up(tags=["weights"])
-        tensors = iter(named_tensors)
-        try:
+        with self.writing_weights():
+            tensors = iter(named_tensors)
             if self.cpu:
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True})
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True}
+                )
             else:
                 self.model.load_weights(tensors)
+
+    @contextlib.contextmanager
+    def writing_weights(self) -> Iterator[None]:
+        """Wake the weights for writing; on success they count as loaded and the prefix cache is dropped.
+
+        If the block raises (or is interrupted), some tensors are new and some old: generation is
+        refused until a later write completes.
+        """
+        self._require_open()
+        self.wake_up(tags=["weights"])
+        try:
+            yield
         except BaseException:
-            # Some tensors are new and some old: nothing may be generated until a sync completes.
             self._state = EngineState(Weights.GARBAGE, self._state.kv_cache_awake)
             raise
         self._state = EngineState(Weights.RESIDENT, self._state.kv_cache_awake)
         self.reset_prefix_cache()
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether tensors written into :meth:`parameter_views` are what the engine computes with.
+
+        Not on CPU: vLLM repacks CPU weights into kernel layouts when it loads them.
+        """
+        return not self.cpu
+
+    def parameter_views(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, ParameterView] | None:
+        """Where each Hugging Face-named tensor lives in the engine's parameters.
+
+        q/k/v and gate/up map onto their rows of vLLM's fused ``qkv_proj`` and ``gate_up_proj``, in
+        the model's packed order; a padded vocabulary maps onto its first rows. None when any name,
+        shape or dtype does not line up (quantized or sharded parameters, models vLLM lays out
+        differently): then only :meth:`load_weights` can write them.
+
+        Args:
+            shapes: every tensor to place, by Hugging Face name, with its shape.
+        """
+        model = self.model
+        params = dict(model.named_parameters())
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        views = {}
+        for name, shape in shapes.items():
+            view = _parameter_view(name, tuple(shape), params, packed, shapes)
+            if view is None:
+                return None
+            views[name] = view
+        return views
 
     @property
     def model(self) -> torch.nn.Module:
@@ -272,6 +313,54 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class ParameterView:
+    """A Hugging Face tensor's place in an engine parameter.
+
+    Attributes:
+        rows: the rows that hold the tensor, shape (out_features, ...) as in the checkpoint.
+        padding: rows after it that vLLM keeps zero (a vocabulary padded to a multiple of 64), or None.
+    """
+
+    rows: torch.Tensor
+    padding: torch.Tensor | None = None
+
+
+def _parameter_view(
+    name: str,
+    shape: tuple[int, ...],
+    params: dict[str, torch.Tensor],
+    packed: dict[str, list[str]],
+    shapes: dict[str, tuple[int, ...]],
+) -> ParameterView | None:
+    """Where HF tensor ``name`` lives among vLLM's ``params`` (see :meth:`Engine.parameter_views`)."""
+    target = params.get(name)
+    if target is not None:
+        start, end = 0, target.shape[0]  # rows past the tensor's are vocabulary padding
+    else:
+        fused, part = next(((f, p) for f, parts in packed.items() for p in parts if f".{p}." in name), (None, None))
+        if fused is None:
+            return None
+        siblings = [name.replace(f".{part}.", f".{p}.") for p in packed[fused]]
+        if not all(s in shapes for s in siblings):
+            return None
+        start = sum(shapes[s][0] for s in siblings[: siblings.index(name)])
+        end = sum(shapes[s][0] for s in siblings)
+        target = params.get(name.replace(f".{part}.", f".{fused}."))
+    if (
+        target is None
+        or target.shape[0] != end
+        or tuple(target.shape[1:]) != shape[1:]
+        or start + shape[0] > end
+        or not target.is_contiguous()
+        or not target.dtype.is_floating_point
+    ):
+        return None
+    target = target.detach()
+    padding = target[shape[0] :] if start == 0 and shape[0] < end and name in params else None
+    return ParameterView(target[start : start + shape[0]], padding)
 
 
 def live_engine() -> Engine | None:

@@ -47,15 +47,24 @@ def _merge_kernel(
 
 
 def fused_merged_weight(
-    base: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float, dtype: torch.dtype
+    base: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``cast(W + scaling * B @ A)`` on CUDA in one pass; shapes as in :func:`colocate_grpo.lora.merged_weight`."""
+    """``cast(W + scaling * B @ A)`` on CUDA in one pass; shapes as in :func:`colocate_grpo.lora.merged_weight`.
+
+    ``out``, when given, must be contiguous, of ``dtype`` and on ``base``'s device.
+    """
     rows, cols = base.shape
     rank = lora_A.shape[0]
     base = base.contiguous()
     lora_A = lora_A.float().contiguous()
     lora_B = lora_B.float().contiguous()
-    out = torch.empty((rows, cols), dtype=dtype, device=base.device)
+    if out is None:
+        out = torch.empty((rows, cols), dtype=dtype, device=base.device)
     padded_rank = max(16, triton.next_power_of_2(rank))
     block_m, block_n = 64, 128
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))

@@ -37,6 +37,7 @@ def merged_weight(
     lora_B: torch.Tensor,
     scaling: float,
     dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``cast(W + scaling * B @ A)``, accumulated in fp32 and rounded once.
 
@@ -46,19 +47,26 @@ def merged_weight(
         lora_B: B, shape (out_features, r).
         scaling: lora_alpha / r (or alpha / sqrt(r) with rsLoRA).
         dtype: result dtype; defaults to ``base.dtype``.
+        out: where to write the result (e.g. rows of an engine's fused parameter), same shape; a
+            different dtype than ``dtype`` casts the rounded result once more.
 
     Returns:
-        The merged weight, shape (out_features, in_features), in ``dtype``.
+        The merged weight, shape (out_features, in_features), in ``dtype`` (``out`` when given).
 
     On CUDA a fused Triton kernel computes it in one pass (:mod:`colocate_grpo.kernels`); the
     forward and the sync both come here, so they agree bitwise on each device.
     """
+    dtype = dtype or base.dtype
     if base.is_cuda and FUSED_MERGE:
         from colocate_grpo.kernels import fused_merged_weight
 
-        return fused_merged_weight(base, lora_A, lora_B, scaling, dtype or base.dtype)
-    merged = torch.addmm(base.float(), lora_B.float(), lora_A.float(), alpha=scaling)
-    return merged.to(dtype or base.dtype)
+        direct = out is not None and out.dtype == dtype and out.is_contiguous() and out.device == base.device
+        merged = fused_merged_weight(base, lora_A, lora_B, scaling, dtype, out=out if direct else None)
+        if out is None or direct:
+            return merged
+    else:
+        merged = torch.addmm(base.float(), lora_B.float(), lora_A.float(), alpha=scaling).to(dtype)
+    return merged if out is None else out.copy_(merged)
 
 
 def lora_factors(layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor, float] | None:

@@ -1,13 +1,15 @@
 """Getting the trainer's weights into the colocated engine.
 
-Each LoRA linear's merged weight is computed out of place, one layer at a time,
-so the trainer's base weights are never touched and the extra memory is one
-layer's weight, not a second model.
+Each LoRA linear's merged weight is computed from the trainer's base weight and
+adapter, on GPUs straight into the engine's parameter: the trainer's base weights
+are never touched, and no second copy of the model is made.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,49 @@ def hf_name(peft_name: str) -> str:
     return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-@torch.no_grad()
+@dataclass(frozen=True)
+class _Source:
+    """One tensor the engine needs: the trainer's parameter, and the LoRA layer merged into it, if any."""
+
+    name: str  # Hugging Face name
+    param: torch.Tensor
+    layer: LoraLayer | None
+
+    def changes_in_training(self) -> bool:
+        return self.layer is not None or self.param.requires_grad
+
+    @torch.no_grad()
+    def value(self, stats: RetainedUpdate | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor to serve (written into ``out`` when given), LoRA merged in when active."""
+        factors = lora_factors(self.layer) if self.layer is not None else None
+        if factors is None:
+            return self.param.detach() if out is None else out.copy_(self.param)
+        lora_A, lora_B, scaling = factors
+        merged = merged_weight(self.param, lora_A, lora_B, scaling, getattr(self.layer, "merge_dtype", None), out=out)
+        if stats is not None:
+            stats.add(self.param, scaling * (lora_B.float() @ lora_A.float()), merged)
+        return merged
+
+
+# Walking a PEFT model's modules costs milliseconds, as much as the copies of a sync: once per model.
+_sources_of: weakref.WeakKeyDictionary[torch.nn.Module, list[_Source]] = weakref.WeakKeyDictionary()
+
+
+def _sources(model: torch.nn.Module) -> list[_Source]:
+    """The model's served tensors in parameter order (so fused groups q, k, v and gate, up arrive together)."""
+    if model not in _sources_of:
+        lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+        sources = []
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                continue
+            owner, _, leaf = name.rpartition(".")
+            layer = lora_layers.get(owner.removesuffix(".base_layer")) if leaf == "weight" else None
+            sources.append(_Source(hf_name(name), param, layer))
+        _sources_of[model] = sources
+    return _sources_of[model]
+
+
 def merged_named_weights(
     model: torch.nn.Module, stats: RetainedUpdate | None = None, include_frozen: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -33,56 +77,39 @@ def merged_named_weights(
     arrive together. Merged tensors are fresh (in the layer's merge dtype for merge-aware
     layers, so they equal its forward's weight bitwise); the others are the trainer's own.
     When ``stats`` is given, each merged layer's retained update is added to it. With
-    ``include_frozen=False`` only tensors that training can change are yielded: LoRA-merged
-    weights and parameters that require gradients.
+    ``include_frozen=False`` only tensors that training can change are yielded: the weights of
+    LoRA layers and parameters that require gradients.
     """
-    lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    for name, param in model.named_parameters():
-        if ".lora_" in name:
-            continue
-        owner, _, leaf = name.rpartition(".")
-        layer_name = owner.removesuffix(".base_layer")
-        layer = lora_layers.get(layer_name)
-        factors = lora_factors(layer) if layer is not None and leaf == "weight" else None
-        if factors is None:
-            if include_frozen or param.requires_grad:
-                yield hf_name(name), param.detach()
-        else:
-            lora_A, lora_B, scaling = factors
-            merged = merged_weight(param, lora_A, lora_B, scaling, getattr(layer, "merge_dtype", None))
-            if stats is not None:
-                stats.add(param, scaling * (lora_B.float() @ lora_A.float()), merged)
-            yield hf_name(name), merged
+    for source in _sources(model):
+        if include_frozen or source.changes_in_training():
+            yield source.name, source.value(stats)
 
 
 def push_weights(model: torch.nn.Module, engine: Engine, stats: RetainedUpdate | None = None) -> None:
     """Send the trainer's current (merged) weights to the engine and drop its prefix cache.
 
-    Frozen tensors are sent only when the engine lost its weights (a level-2 sleep, a failed
-    load): after a level-1 sleep, or awake, it still holds them.
+    On GPUs each merged weight is computed straight into the engine's parameter (its rows of a
+    fused qkv_proj or gate_up_proj): no second copy of the model, no per-tensor loader calls.
+    Elsewhere (CPU, layouts vLLM changes) the tensors go through vLLM's loader. Frozen tensors
+    are sent only when the engine lost its weights (a level-2 sleep, a failed load): after a
+    level-1 sleep, or awake, it still holds them.
 
     Args:
         stats: filled with the retained-update statistics of this sync when given.
     """
-    engine_holds_frozen = engine.state.weights in (Weights.RESIDENT, Weights.OFFLOADED)
-    engine.load_weights(merged_named_weights(model, stats, include_frozen=not engine_holds_frozen))
-
-
-def _engine_tensor(
-    engine_params: dict[str, torch.Tensor], packed: dict[str, list[str]], name: str, offsets: dict[str, int], rows: int
-) -> torch.Tensor | None:
-    """The rows of the engine's (possibly fused) parameter that hold HF tensor ``name``."""
-    if name in engine_params:
-        return engine_params[name][:rows]
-    for fused, parts in packed.items():
-        for part in parts:
-            if f".{part}." in name:
-                fused_name = name.replace(f".{part}.", f".{fused}.")
-                start = offsets.get(fused_name, 0)
-                offsets[fused_name] = start + rows
-                param = engine_params.get(fused_name)
-                return None if param is None else param[start : start + rows]
-    return None
+    include_frozen = engine.state.weights not in (Weights.RESIDENT, Weights.OFFLOADED)
+    sources = _sources(model)
+    views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources}) if engine.writes_in_place else None
+    if views is None:
+        engine.load_weights(merged_named_weights(model, stats, include_frozen))
+        return
+    with engine.writing_weights():
+        for source in sources:
+            if include_frozen or source.changes_in_training():
+                view = views[source.name]
+                source.value(stats, out=view.rows)
+                if view.padding is not None:
+                    view.padding.zero_()
 
 
 @torch.no_grad()
@@ -90,21 +117,17 @@ def served_weight_mismatches(model: torch.nn.Module, engine: Engine) -> list[str
     """HF names of the trainer's weights that differ, bitwise, from what the engine holds.
 
     An empty list means the engine serves exactly the trainer's (merged) weights. None when the
-    engine's weights cannot be read back (vLLM on CPU may repack them into kernel formats).
+    engine's parameters do not map onto the trainer's tensors (see ``Engine.parameter_views``).
     """
-    vllm_model = engine.model
-    engine_params = dict(vllm_model.named_parameters())
-    packed = getattr(vllm_model, "packed_modules_mapping", {})
-    offsets: dict[str, int] = {}
+    sources = _sources(model)
+    views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
+    if views is None:
+        return None
     mismatches = []
-    for name, expected in merged_named_weights(model):
-        served = _engine_tensor(engine_params, packed, name, offsets, expected.shape[0])
-        if served is None or served.numel() == 0:
-            if "lm_head" in name:  # tied to the embedding in the engine
-                continue
-            return None
-        if served.shape != expected.shape or not torch.equal(served.to(expected.device), expected):
-            mismatches.append(name)
+    for source in sources:
+        expected, served = source.value(None), views[source.name].rows
+        if not torch.equal(served.to(expected.device), expected):
+            mismatches.append(source.name)
     return mismatches
 
 

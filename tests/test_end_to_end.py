@@ -145,7 +145,9 @@ def test_default_job_learns(tmp_path):
 
 
 def test_resume_continues_from_the_checkpoint_with_its_adapter(tmp_path):
-    first = train(tiny_config(tmp_path, max_steps=2, save_steps=2))
+    # Merge-aware, checked at every sync: the resumed run's first sync must serve the checkpoint's weights.
+    checked = {"lora_merge_aware": "bf16", "trl": {"vllm_merge_check_interval": 1}}
+    first = train(tiny_config(tmp_path, max_steps=2, save_steps=2, **checked))
     checkpoint = first.output_dir / "checkpoint-2"
     assert {"adapter_model.safetensors", "optimizer.pt", "scheduler.pt"} <= {p.name for p in checkpoint.iterdir()}
     saved = load_file(checkpoint / "adapter_model.safetensors")
@@ -157,11 +159,13 @@ def test_resume_continues_from_the_checkpoint_with_its_adapter(tmp_path):
             loaded["step"] = state.global_step
 
     resumed = train(
-        tiny_config(tmp_path, max_steps=3, save_steps=2, resume_from_checkpoint="latest"), callbacks=[AdapterAtStart()]
+        tiny_config(tmp_path, max_steps=3, save_steps=2, resume_from_checkpoint="latest", **checked),
+        callbacks=[AdapterAtStart()],
     )
     assert loaded.pop("step") == 2
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k].cpu()) for k in saved)
     assert [step for step, _ in resumed.metrics.series("reward")] == [3]
+    assert resumed.metrics.series("lora_merge/served_equals_trained") == [(3, 1.0)]
     logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sorted({step for step in logged if step <= 3}) == [1, 2, 3]
 

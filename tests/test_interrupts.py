@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+import colocate_grpo.sync as sync
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import live_engine
 from colocate_grpo.train import build_trainer, default_config_path, train
@@ -37,23 +38,23 @@ def interrupt_generation(trainer, monkeypatch):
 
 
 def interrupt_sync(trainer, monkeypatch):
-    original = trainer.vllm_generation.llm.load_weights
-    calls = []
+    """Ctrl-C part way through the second sync, on whichever path (in place or vLLM's loader) it takes."""
+    generation, value, tensors_sent = trainer.vllm_generation, sync._Source.value, []
+    sync_weights = generation.sync_weights
 
-    def load_weights(tensors):
-        calls.append(1)
-        if len(calls) == 2:
+    def counting_sync():
+        tensors_sent.append(0)
+        return sync_weights()
 
-            def failing():
-                for i, item in enumerate(tensors):
-                    if i == 3:
-                        raise KeyboardInterrupt
-                    yield item
+    def failing_value(source, stats, out=None):
+        if len(tensors_sent) == 2:
+            tensors_sent[-1] += 1
+            if tensors_sent[-1] == 4:
+                raise KeyboardInterrupt
+        return value(source, stats, out)
 
-            return original(failing())
-        return original(tensors)
-
-    monkeypatch.setattr(trainer.vllm_generation.llm, "load_weights", load_weights)
+    monkeypatch.setattr(generation, "sync_weights", counting_sync)
+    monkeypatch.setattr(sync._Source, "value", failing_value)
 
 
 @pytest.mark.parametrize("phase", ["generate", "sync", "train"])

@@ -4,6 +4,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
+import colocate_grpo.sync as sync
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import EngineStateError, Weights
 from colocate_grpo.sync import merged_named_weights, push_weights, served_weight_mismatches
@@ -64,20 +65,82 @@ def test_an_interrupted_sync_blocks_generation_until_the_next_sync_repairs_it(tr
 def test_frozen_weights_are_sent_only_when_the_engine_lost_them(trainer, monkeypatch, level, expected):
     engine = trainer.engine
     push_weights(trainer.model, engine)
-    sent = []
-    load = engine.load_weights
+    sent, value = [], sync._Source.value
 
-    def recording(tensors):
-        for name, tensor in tensors:
-            sent.append(name)
-            yield name, tensor
+    def recording(source, stats, out=None):
+        sent.append(source.name)
+        return value(source, stats, out)
 
-    monkeypatch.setattr(engine, "load_weights", lambda tensors: load(recording(tensors)))
+    monkeypatch.setattr(sync._Source, "value", recording)
     engine.sleep(level)
     push_weights(trainer.model, engine)
+    monkeypatch.undo()
     everything = [name for name, _ in merged_named_weights(trainer.model)]
     if expected == "everything":
         assert sent == everything
     else:
         assert sent and all(name.endswith("_proj.weight") for name in sent) and len(sent) < len(everything)
+    assert served_weight_mismatches(trainer.model, engine) == []
+
+
+def test_parameter_views_place_each_tensor_in_the_engines_fused_parameters(trainer):
+    shapes = {name: tuple(t.shape) for name, t in merged_named_weights(trainer.model)}
+    views = trainer.engine.parameter_views(shapes)
+    assert views is not None and set(views) == set(shapes)
+    rows = {p: views[f"model.layers.0.self_attn.{p}_proj.weight"].rows for p in "qkv"}
+    for first, second in [("q", "k"), ("k", "v")]:  # consecutive rows of one qkv_proj, in packed order
+        end = rows[first].data_ptr() + rows[first].numel() * rows[first].element_size()
+        assert rows[second].data_ptr() == end
+    assert trainer.engine.parameter_views({"model.layers.0.nonexistent.weight": (4, 4)}) is None
+    q_shape = shapes["model.layers.0.self_attn.q_proj.weight"]
+    wrong = {**shapes, "model.layers.0.self_attn.q_proj.weight": (q_shape[0], q_shape[1] + 1)}
+    assert trainer.engine.parameter_views(wrong) is None
+
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM computes with written weights on GPUs only")
+
+
+@gpu_only
+def test_in_place_sync_serves_exactly_what_vllms_loader_serves(trainer, monkeypatch):
+    engine = trainer.engine
+    prompts = [{"prompt_token_ids": [20, 11, 21, 29]}, {"prompt_token_ids": [22, 12, 23]}]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+
+    def served_after_a_level_2_sleep():
+        engine.sleep(2)
+        push_weights(trainer.model, engine)
+        assert served_weight_mismatches(trainer.model, engine) == []
+        engine.wake_up()
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in engine.generate(prompts, params)]
+
+    def no_loader(tensors):
+        raise AssertionError("the in-place sync used vLLM's loader")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "load_weights", no_loader)
+        in_place = served_after_a_level_2_sleep()
+    monkeypatch.setattr(type(engine), "writes_in_place", property(lambda self: False))
+    assert served_after_a_level_2_sleep() == in_place
+
+
+@gpu_only
+def test_an_interrupted_in_place_sync_blocks_generation_until_the_next_sync_repairs_it(trainer, monkeypatch):
+    engine, calls, value = trainer.engine, [], sync._Source.value
+
+    def failing_midway(self, stats, out=None):
+        calls.append(self.name)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return value(self, stats, out)
+
+    engine.sleep(2)
+    with monkeypatch.context() as patch:
+        patch.setattr(sync._Source, "value", failing_midway)
+        with pytest.raises(KeyboardInterrupt):
+            push_weights(trainer.model, engine)
+    assert engine.state.weights is Weights.GARBAGE
+    engine.wake_up()
+    with pytest.raises(EngineStateError):
+        engine.generate([{"prompt_token_ids": [20, 11, 21, 29]}], SamplingParams(max_tokens=2))
+    push_weights(trainer.model, engine)
     assert served_weight_mismatches(trainer.model, engine) == []
