@@ -283,9 +283,10 @@ def main() -> None:
             if run.returncode != 0 or not out.exists():
                 print(f"{shape} {kind}: failed (exit {run.returncode})\n{run.stderr[-3000:]}", file=sys.stderr)
                 results.append({"shape": shape, "kind": kind, "failed": run.stderr[-3000:]})
-                continue
-            results.append({"shape": shape, **json.loads(out.read_text())})
-    Path(args.out).write_text(json.dumps(results, indent=1))
+            else:
+                results.append({"shape": shape, **json.loads(out.read_text())})
+                print(table(results[-1:]).splitlines()[2], flush=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))  # after each run: a later one may not finish
 
     print(table(results))
 
