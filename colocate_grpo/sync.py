@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from peft.tuners.lora import LoraLayer
 
-from colocate_grpo.engine import Engine, Weights
+from colocate_grpo.engine import Engine, ParameterView, Weights
 from colocate_grpo.lora import RetainedUpdate, lora_factors, merged_weight
 
 
@@ -85,31 +85,91 @@ def merged_named_weights(
             yield source.name, source.value(stats)
 
 
+class _InPlaceWrites:
+    """Writing one trainer model's tensors into one engine's parameters, replayed as a CUDA graph.
+
+    A sync is a few hundred small kernel launches whose Python overhead is several times their
+    device time. The same launches with the same pointers repeat every sync (vLLM's sleep mode
+    maps woken memory back at the same addresses; the optimizer updates the adapters in place),
+    so after one eager write they are captured once and replayed. A change of the active adapters
+    (a different set of A and B tensors, or adapters off) is a new capture.
+    """
+
+    def __init__(self, sources: list[_Source], views: dict[str, ParameterView]) -> None:
+        self.sources = sources
+        self.views = views
+        self.layers = [s.layer for s in sources if s.layer is not None]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_key: tuple | None = None
+
+    def _key(self, include_frozen: bool) -> tuple:
+        factors = [lora_factors(layer) for layer in self.layers]
+        return include_frozen, tuple(None if f is None else (id(f[0]), id(f[1]), f[2]) for f in factors)
+
+    def _write(self, include_frozen: bool, stats: RetainedUpdate | None) -> None:
+        for source in self.sources:
+            if include_frozen or source.changes_in_training():
+                view = self.views[source.name]
+                source.value(stats, out=view.rows)
+                if view.padding is not None:
+                    view.padding.zero_()
+
+    @torch.no_grad()
+    def __call__(self, include_frozen: bool, stats: RetainedUpdate | None) -> None:
+        cuda = next(iter(self.views.values())).rows.is_cuda
+        if stats is not None or not cuda:  # the retained-update statistics are computed eagerly
+            self._write(include_frozen, stats)
+            return
+        key = self._key(include_frozen)
+        if self.graph is not None and key == self.graph_key:
+            self.graph.replay()
+            return
+        self._write(include_frozen, None)  # also compiles the merge kernel before its capture
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self._write(include_frozen, None)
+        self.graph_key = key
+
+
+# Per engine model (vLLM's nn.Module), per trainer model: dropped with the engine's model, so that
+# the views into its parameters do not keep its memory alive after close().
+_writes_of: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary[torch.nn.Module, _InPlaceWrites]]
+_writes_of = weakref.WeakKeyDictionary()
+
+
+def _in_place_writes(model: torch.nn.Module, engine: Engine) -> _InPlaceWrites | None:
+    """The model's in-place writes into the engine, or None when the engine cannot take them."""
+    if not engine.writes_in_place:
+        return None
+    per_model = _writes_of.setdefault(engine.model, weakref.WeakKeyDictionary())
+    if model not in per_model:
+        sources = _sources(model)
+        views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
+        if views is None:
+            return None
+        per_model[model] = _InPlaceWrites(sources, views)
+    return per_model[model]
+
+
 def push_weights(model: torch.nn.Module, engine: Engine, stats: RetainedUpdate | None = None) -> None:
     """Send the trainer's current (merged) weights to the engine and drop its prefix cache.
 
     On GPUs each merged weight is computed straight into the engine's parameter (its rows of a
-    fused qkv_proj or gate_up_proj): no second copy of the model, no per-tensor loader calls.
-    Elsewhere (CPU, layouts vLLM changes) the tensors go through vLLM's loader. Frozen tensors
-    are sent only when the engine lost its weights (a level-2 sleep, a failed load): after a
-    level-1 sleep, or awake, it still holds them.
+    fused qkv_proj or gate_up_proj), with the launches replayed as one CUDA graph: no second copy
+    of the model, no per-tensor loader calls. Elsewhere (CPU, layouts vLLM changes) the tensors go
+    through vLLM's loader. Frozen tensors are sent only when the engine lost its weights (a
+    level-2 sleep, a failed load): after a level-1 sleep, or awake, it still holds them.
 
     Args:
         stats: filled with the retained-update statistics of this sync when given.
     """
     include_frozen = engine.state.weights not in (Weights.RESIDENT, Weights.OFFLOADED)
-    sources = _sources(model)
-    views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources}) if engine.writes_in_place else None
-    if views is None:
+    writes = _in_place_writes(model, engine)
+    if writes is None:
         engine.load_weights(merged_named_weights(model, stats, include_frozen))
         return
     with engine.writing_weights():
-        for source in sources:
-            if include_frozen or source.changes_in_training():
-                view = views[source.name]
-                source.value(stats, out=view.rows)
-                if view.padding is not None:
-                    view.padding.zero_()
+        writes(include_frozen, stats)
 
 
 @torch.no_grad()

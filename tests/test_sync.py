@@ -7,6 +7,7 @@ from vllm import SamplingParams
 import colocate_grpo.sync as sync
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import EngineStateError, Weights
+from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.sync import merged_named_weights, push_weights, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path
 
@@ -73,7 +74,7 @@ def test_frozen_weights_are_sent_only_when_the_engine_lost_them(trainer, monkeyp
 
     monkeypatch.setattr(sync._Source, "value", recording)
     engine.sleep(level)
-    push_weights(trainer.model, engine)
+    push_weights(trainer.model, engine, RetainedUpdate())  # eager, not a CUDA graph's replay, so it is seen
     monkeypatch.undo()
     everything = [name for name, _ in merged_named_weights(trainer.model)]
     if expected == "everything":
@@ -118,9 +119,9 @@ def test_in_place_sync_serves_exactly_what_vllms_loader_serves(trainer, monkeypa
 
     with monkeypatch.context() as patch:
         patch.setattr(engine, "load_weights", no_loader)
-        in_place = served_after_a_level_2_sleep()
+        in_place = [served_after_a_level_2_sleep() for _ in range(3)]  # written eagerly, then by a CUDA graph
     monkeypatch.setattr(type(engine), "writes_in_place", property(lambda self: False))
-    assert served_after_a_level_2_sleep() == in_place
+    assert in_place == [served_after_a_level_2_sleep()] * 3
 
 
 @gpu_only
@@ -137,7 +138,7 @@ def test_an_interrupted_in_place_sync_blocks_generation_until_the_next_sync_repa
     with monkeypatch.context() as patch:
         patch.setattr(sync._Source, "value", failing_midway)
         with pytest.raises(KeyboardInterrupt):
-            push_weights(trainer.model, engine)
+            push_weights(trainer.model, engine, RetainedUpdate())  # eager: a graph's replay is one call
     assert engine.state.weights is Weights.GARBAGE
     engine.wake_up()
     with pytest.raises(EngineStateError):

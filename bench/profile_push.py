@@ -1,0 +1,67 @@
+"""Where a sync's time goes on the GPU: waking the weights, the eager writes, the CUDA-graph replay.
+
+python bench/profile_push.py /tmp/sync_vs_trl_models/1.5B     # a model directory (bench/sync_vs_trl.py builds them)
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from colocate_grpo import sync
+from colocate_grpo.config import VLLMConfig
+from colocate_grpo.engine import Engine
+from colocate_grpo.lora import RetainedUpdate, install_merge_aware
+
+
+def median_ms(fn, repeats: int = 10) -> float:
+    """Median wall time of ``fn`` in milliseconds, the device synchronized around each call."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    path = sys.argv[1]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    install_merge_aware(model, "bf16")
+    engine = Engine(path, VLLMConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=False))
+    sources = sync._sources(model)
+    nbytes = sum(s.param.numel() * s.param.element_size() for s in sources)
+
+    def wake() -> None:
+        engine.sleep(2)
+        torch.cuda.synchronize()
+        engine.wake_up(["weights"])
+
+    def asleep_then(push) -> float:  # noqa: ANN001
+        times = []
+        for _ in range(10):
+            engine.sleep(2)
+            engine.wake_up(["weights"])
+            times.append(median_ms(push, repeats=1))
+        return statistics.median(times)
+
+    sleep_wake = median_ms(wake)
+    eager = asleep_then(lambda: sync.push_weights(model, engine, RetainedUpdate()))
+    graph = asleep_then(lambda: sync.push_weights(model, engine))
+    views = median_ms(lambda: engine.parameter_views({s.name: tuple(s.param.shape) for s in sources}))
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    floor = median_ms(lambda: torch.empty_like(source).copy_(source))
+    print(f"{len(sources)} tensors, {nbytes / 2**30:.2f} GiB; copy floor (read + write once) {floor:.2f} ms")
+    print(f"level-2 sleep + wake of the weights {sleep_wake:.2f} ms")
+    print(f"push, eager with retained-update statistics {eager:.2f} ms; push, CUDA graph {graph:.2f} ms")
+    print(f"parameter_views (once per model and engine) {views:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
