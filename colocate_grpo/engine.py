@@ -187,6 +187,9 @@ class Engine:
         wake_weights = "weights" in tags and weights in (Weights.OFFLOADED, Weights.DISCARDED)
         wake_kv = "kv_cache" in tags and not kv_awake
         if self.sleep_mode and (wake_weights or wake_kv):
+            # The trainer's allocator still caches what training freed; handing it back first keeps the
+            # device's peak at the trainer's live memory plus vLLM's (TRL does the same before its wake).
+            torch.cuda.empty_cache()
             llm.wake_up(tags=[t for t, on in (("weights", wake_weights), ("kv_cache", wake_kv)) if on])
         if wake_weights:
             weights = Weights.RESIDENT if weights is Weights.OFFLOADED else Weights.GARBAGE

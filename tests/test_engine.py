@@ -97,6 +97,19 @@ def test_sleeping_twice_and_bad_arguments(engine):
         engine.wake_up(["everything"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode (and a caching allocator) on GPUs only")
+def test_waking_hands_the_trainers_cached_memory_back_first(engine):
+    def cached_but_free() -> int:
+        return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+    engine.sleep(2)
+    freed_activations = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+    del freed_activations  # cached by torch's allocator, as training's activations are
+    before = cached_but_free()
+    engine.wake_up(["weights"])
+    assert cached_but_free() <= before - 2**28
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM 0.26 allows one sleep-mode engine per GPU process")
 def test_a_new_engine_closes_the_old_one_and_closed_engines_refuse(engine_and_rng):
     # Last in this module: one engine per process, so this closes the module's engine.
