@@ -1,11 +1,13 @@
 """The validator on good and bad configs, and the CLI's exit codes and messages."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from colocate_grpo.config import ConfigError, describe, load_config
 from colocate_grpo.train import default_config_path
@@ -207,3 +209,18 @@ def test_a_missing_dataset_column_is_named_with_the_columns_there(tmp_path):
     with pytest.raises(ConfigError, match=r"'dataset.prompt_column: prompt' is not a column .* question, answer"):
         build_trainer(dataset_config(tmp_path, answer_column="answer"))
     assert not (tmp_path / "out").exists()
+
+
+def test_chat_prompts_for_a_tokenizer_without_a_chat_template_exit_2(tmp_path):
+    from colocate_grpo.tiny import tiny_model_path
+
+    base = tmp_path / "base-model"
+    shutil.copytree(tiny_model_path(), base)
+    (base / "chat_template.jinja").unlink()
+    config = dataset_config(tmp_path, prompt_column="question", answer_column="answer")
+    config["base_model"] = str(base)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("cfg.yaml", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "'dataset.chat: true' but the tokenizer of" in result.stderr and "dataset.chat: false" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
