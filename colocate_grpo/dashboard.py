@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,11 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     reward_ax.plot(steps, reward, color="#2171b5", alpha=0.35, linewidth=1, label="mean")
     window = max(1, len(reward) // 10)
     reward_ax.plot(
-        steps, _rolling_mean(reward, window), color="#08306b", linewidth=2.5, label=f"mean of {window} steps"
+        steps,
+        _rolling_mean(reward, window),
+        color="#08306b",
+        linewidth=2.5,
+        label=f"rolling mean, {window} step{'s' * (window > 1)}",
     )
     reward_ax.set(title="Reward", xlabel="step")
     reward_ax.legend(loc="lower right")
@@ -101,13 +106,27 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     memory_ax.legend(loc="lower right", fontsize="small")
 
     bottom: list[float] | None = None
+    steps_with_time: list[int] = []
     for phase in PHASES:
         phase_steps, seconds = _series(history, f"time/{phase}")
         if not seconds:
             continue
+        steps_with_time = phase_steps
         time_ax.bar(phase_steps, seconds, bottom=bottom, width=1.0, color=PHASE_COLORS[phase], label=phase)
         bottom = seconds if bottom is None else [b + s for b, s in zip(bottom, seconds, strict=True)]
     time_ax.set(title="Step time by phase (s)", xlabel="step")
+    if bottom is not None and len(bottom) > 2:
+        # The first step also compiles and warms up; scaled to it, every later step would be a sliver.
+        typical = sorted(bottom[1:])[len(bottom[1:]) // 2]
+        if bottom[0] > 3 * typical:
+            time_ax.set_ylim(0, 2.5 * max(bottom[1:]))
+            time_ax.annotate(
+                f"step {steps_with_time[0]}: {bottom[0]:.1f} s (warm-up)",
+                (steps_with_time[0], 2.5 * max(bottom[1:])),
+                xytext=(4, -12),
+                textcoords="offset points",
+                fontsize="small",
+            )
     time_ax.legend(loc="upper right", fontsize="small")
 
     mismatch_ax.plot(*_series(history, "sampling/sampling_logp_difference/mean"), color="#cb181d", label="mean")
@@ -176,36 +195,60 @@ def summary(history: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class RedrawClock:
+    """When a view may redraw: ``interval`` seconds after the last redraw, and never sooner than 100
+    times the last redraw took, so that drawing costs at most 1% of the run's time.
+
+    Attributes:
+        drawing_seconds: total time spent drawing, in seconds.
+    """
+
+    def __init__(self, interval: float, start: float = -math.inf) -> None:
+        self.interval = interval
+        self.drawing_seconds = 0.0
+        self.last_draw_seconds = 0.0
+        self.last = start
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= max(self.interval, 100 * self.last_draw_seconds)
+
+    def timed(self, draw: Callable[[], None]) -> None:
+        """Run ``draw`` and count its time."""
+        started = time.perf_counter()
+        draw()
+        self.last_draw_seconds = time.perf_counter() - started
+        self.drawing_seconds += self.last_draw_seconds
+        self.last = time.monotonic()
+
+
 class PngWriter(TrainerCallback):
-    """Writes the run's figure to ``path`` at most every ``interval`` seconds, and at the end of training.
+    """Writes the run's figure to ``path`` as a :class:`RedrawClock` allows, and at the end of training.
 
     Args:
         history: the live list of log events (``MetricsLog.history``).
         path: the PNG file.
-        interval: seconds between redraws (drawing takes about half a second on a CPU).
+        interval: shortest time between redraws, in seconds (drawing takes about half a second on a CPU).
     """
 
     def __init__(self, history: list[dict[str, Any]], path: str | Path, interval: float = 30.0) -> None:
         self.history = history
         self.path = Path(path)
-        self.interval = interval
-        self._last = time.monotonic()
+        self.clock = RedrawClock(interval, start=time.monotonic())
 
     def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
-        if state.is_world_process_zero and self.history and time.monotonic() - self._last >= self.interval:
-            save_png(self.history, self.path)
-            self._last = time.monotonic()
+        if state.is_world_process_zero and self.history and self.clock.due():
+            self.clock.timed(lambda: save_png(self.history, self.path))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if state.is_world_process_zero and self.history:
-            save_png(self.history, self.path)
+            self.clock.timed(lambda: save_png(self.history, self.path))
 
 
 class LiveDashboard(TrainerCallback):
     """The run's figure and a status line, live in the notebook cell that trains.
 
-    Redraws after a log event once ``interval`` seconds have passed, and never sooner than 100
-    times the last redraw took, so that drawing costs at most 1% of the run; and at the end.
+    Redraws after a log event as a :class:`RedrawClock` allows (at most 1% of the run's time goes
+    to drawing), and at the end.
 
     Args:
         history: the live list of log events (``MetricsLog.history``); it can be set later, so that
@@ -218,27 +261,22 @@ class LiveDashboard(TrainerCallback):
         from IPython.display import display
 
         self.history = history if history is not None else []
-        self.interval = interval
+        self.clock = RedrawClock(interval)
         self.figure = Figure(figsize=(15, 8), layout="constrained")
         self.status = ipywidgets.HTML("<b>colocate_grpo</b>: starting (loading the model and the vLLM engine)")
         self.image = ipywidgets.Image(format="png", layout=ipywidgets.Layout(width="100%"))
         self.widget = ipywidgets.VBox([self.status, self.image])
-        self.drawing_seconds = 0.0
-        self._last_draw_seconds = 0.0
-        self._last = -math.inf
         display(self.widget)
 
     def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
-        wait = max(self.interval, 100 * self._last_draw_seconds)
-        if self.history and time.monotonic() - self._last >= wait:
-            self.redraw(state.global_step, state.max_steps)
+        if self.history and self.clock.due():
+            self.clock.timed(lambda: self.redraw(state.global_step, state.max_steps))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if self.history:
-            self.redraw(state.global_step, state.max_steps, done=True)
+            self.clock.timed(lambda: self.redraw(state.global_step, state.max_steps, done=True))
 
     def redraw(self, step: int, max_steps: int, done: bool = False) -> None:
-        started = time.perf_counter()
         self.image.value = png_bytes(self.history, self.figure)
         reward = _series(self.history, "reward")[1]
         recent = reward[-max(1, len(reward) // 10) :]
@@ -246,6 +284,3 @@ class LiveDashboard(TrainerCallback):
         if recent:
             text += f" | reward, last {len(recent)} steps: {sum(recent) / len(recent):.3f}"
         self.status.value = f"<b>colocate_grpo</b>: {text}"
-        self._last_draw_seconds = time.perf_counter() - started
-        self.drawing_seconds += self._last_draw_seconds
-        self._last = time.monotonic()

@@ -40,7 +40,7 @@ def test_figure_shows_each_series():
     history = synthetic_history()
     reward_ax, length_ax, merge_ax, memory_ax, time_ax, mismatch_ax = draw(history).axes
     assert list(lines_by_label(reward_ax)["mean"].get_ydata()) == [e["reward"] for e in history]
-    smoothed = lines_by_label(reward_ax)["mean of 2 steps"].get_ydata()
+    smoothed = lines_by_label(reward_ax)["rolling mean, 2 steps"].get_ydata()
     assert smoothed[0] == history[0]["reward"] and abs(smoothed[5] - (0.15 + 0.16) / 2) < 1e-12
     assert "update served (ordinary LoRA)" in lines_by_label(merge_ax)
     assert len(lines_by_label(merge_ax)["update served (ordinary LoRA)"].get_xdata()) == 4
@@ -49,6 +49,16 @@ def test_figure_shows_each_series():
     assert [c.get_label() for c in time_ax.containers] == list(PHASES)
     assert len(time_ax.containers[0]) == len(history)
     assert set(lines_by_label(mismatch_ax)) == {"mean", "max"}
+
+
+def test_a_slow_first_step_does_not_flatten_the_others():
+    history = synthetic_history()
+    for phase in PHASES:
+        history[0][f"time/{phase}"] *= 20  # the first step compiles and warms up
+    time_ax = draw(history).axes[4]
+    assert 2.0 < time_ax.get_ylim()[1] < 10.0  # later steps take 1.5 s in all; the first 30 s
+    assert any("(warm-up)" in text.get_text() for text in time_ax.texts)
+    assert not draw(synthetic_history()).axes[4].texts
 
 
 def test_gpu_and_merge_aware_runs_are_labelled_as_such():
@@ -81,7 +91,10 @@ def test_png_writer_throttles_and_always_writes_at_the_end(tmp_path):
     writer.on_log(None, state, None)
     assert not (tmp_path / "dashboard.png").exists()
     writer.on_train_end(None, state, None)
-    assert (tmp_path / "dashboard.png").exists()
+    assert (tmp_path / "dashboard.png").exists() and writer.clock.drawing_seconds > 0
+    writer.clock.interval = 0.0
+    writer.on_log(None, state, None)  # due by its interval, but sooner than 100x the last draw
+    assert writer.clock.drawing_seconds == writer.clock.last_draw_seconds
 
 
 def test_live_dashboard_redraws_in_place_and_keeps_drawing_under_one_percent():
@@ -92,12 +105,12 @@ def test_live_dashboard_redraws_in_place_and_keeps_drawing_under_one_percent():
     live.on_log(None, state, None)
     assert live.image.value[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 5 of 100" in live.status.value and "reward, last 1 steps: 0.150" in live.status.value
-    drawn, first = live.drawing_seconds, live.image.value
+    drawn, first = live.clock.drawing_seconds, live.image.value
     history.extend(synthetic_history(10)[5:])
     live.on_log(None, state, None)  # sooner than 100x the last draw: no redraw
-    assert live.drawing_seconds == drawn and live.image.value is first
-    live._last -= 100 * live._last_draw_seconds  # as if that long had passed
+    assert live.clock.drawing_seconds == drawn and live.image.value is first
+    live.clock.last -= 100 * live.clock.last_draw_seconds  # as if that long had passed
     live.on_log(None, state, None)
-    assert live.drawing_seconds > drawn and live.image.value != first
+    assert live.clock.drawing_seconds > drawn and live.image.value != first
     live.on_train_end(None, SimpleNamespace(global_step=10, max_steps=10), None)
     assert "(done)" in live.status.value
