@@ -125,10 +125,10 @@ class _InPlaceWrites:
             self.graph.replay()
             return
         self._write(include_frozen, None)  # also compiles the merge kernel before its capture
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._write(include_frozen, None)
-        self.graph_key = key
+        self.graph, self.graph_key = graph, key  # only a completed capture is ever replayed
 
 
 # Per engine model (vLLM's nn.Module), per trainer model: dropped with the engine's model, so that
