@@ -91,8 +91,8 @@ class _InPlaceWrites:
     A sync is a few hundred small kernel launches whose Python overhead is several times their
     device time. The same launches with the same pointers repeat every sync (vLLM's sleep mode
     maps woken memory back at the same addresses; the optimizer updates the adapters in place),
-    so after one eager write they are captured once and replayed. A change of the active adapters
-    (a different set of A and B tensors, or adapters off) is a new capture.
+    so after one eager write they are captured once and replayed. A change of what the launches
+    read (other adapters, adapters off, tensors moved to new memory) is a new capture.
     """
 
     def __init__(self, sources: list[_Source], views: dict[str, ParameterView]) -> None:
@@ -103,8 +103,13 @@ class _InPlaceWrites:
         self.graph_key: tuple | None = None
 
     def _key(self, include_frozen: bool) -> tuple:
+        """What a captured graph depends on: which tensors it reads, at which addresses, and the scalings."""
         factors = [lora_factors(layer) for layer in self.layers]
-        return include_frozen, tuple(None if f is None else (id(f[0]), id(f[1]), f[2]) for f in factors)
+        return (
+            include_frozen,
+            tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors),
+            tuple(s.param.data_ptr() for s in self.sources),
+        )
 
     def _write(self, include_frozen: bool, stats: RetainedUpdate | None) -> None:
         for source in self.sources:
