@@ -21,6 +21,8 @@ from transformers import TrainerCallback
 from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth, series
 
 PHASES = (*ENGINE_PHASES, "train")
+FIGSIZE = (15, 8)  # inches, at 100 dpi
+GRID = {"left": 0.045, "right": 0.99, "top": 0.96, "bottom": 0.065, "wspace": 0.17, "hspace": 0.17}
 PHASE_COLORS = {"wake": "#9ecae1", "sync": "#fd8d3c", "generate": "#6baed6", "sleep": "#c6dbef", "train": "#74c476"}
 
 
@@ -46,9 +48,10 @@ def _memory_key(history: list[dict[str, Any]]) -> str:
 
 def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     """Draw the run's five panels (reward, completion length, merge, memory by phase, step time) on a figure."""
-    figure = figure or Figure(figsize=(15, 8), layout="constrained")
+    figure = figure or Figure(figsize=FIGSIZE)
     figure.clear()
-    axes = figure.subplots(2, 3, sharex=True)
+    # Fixed margins: constrained layout cost more than all the plotting together.
+    axes = figure.subplots(2, 3, sharex=True, gridspec_kw=GRID)
     reward_ax, length_ax, merge_ax, memory_ax, time_ax, mismatch_ax = axes.flat
 
     steps, reward = _series(history, "reward")
@@ -105,6 +108,7 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     memory_ax.set_ylim(0, 1.15 * memory_ax.get_ylim()[1])  # from zero: flat memory must look flat
     memory_ax.legend(loc="lower right", fontsize="small")
 
+    # Stacked areas, not bars: one artist per phase whatever the number of steps (bars took seconds to draw).
     bottom: list[float] | None = None
     steps_with_time: list[int] = []
     for phase in PHASES:
@@ -112,8 +116,10 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
         if not seconds:
             continue
         steps_with_time = phase_steps
-        time_ax.bar(phase_steps, seconds, bottom=bottom, width=1.0, color=PHASE_COLORS[phase], label=phase)
-        bottom = seconds if bottom is None else [b + s for b, s in zip(bottom, seconds, strict=True)]
+        below = bottom or [0.0] * len(seconds)
+        top = [b + s for b, s in zip(below, seconds, strict=True)]
+        time_ax.fill_between(phase_steps, below, top, step="mid", color=PHASE_COLORS[phase], label=phase, linewidth=0)
+        bottom = top
     time_ax.set(title="Step time by phase (s)", xlabel="step")
     if bottom is not None and len(bottom) > 2:
         # The first step also compiles and warms up; scaled to it, every later step would be a sliver.
@@ -262,7 +268,7 @@ class LiveDashboard(TrainerCallback):
 
         self.history = history if history is not None else []
         self.clock = RedrawClock(interval)
-        self.figure = Figure(figsize=(15, 8), layout="constrained")
+        self.figure = Figure(figsize=FIGSIZE)
         self.status = ipywidgets.HTML("<b>colocate_grpo</b>: starting (loading the model and the vLLM engine)")
         self.image = ipywidgets.Image(format="png", layout=ipywidgets.Layout(width="100%"))
         self.widget = ipywidgets.VBox([self.status, self.image])

@@ -46,8 +46,9 @@ def test_figure_shows_each_series():
     assert len(lines_by_label(merge_ax)["update served (ordinary LoRA)"].get_xdata()) == 4
     assert {f"after {p}" for p in PHASES} <= set(lines_by_label(memory_ax))
     assert "Process memory" in memory_ax.get_title()
-    assert [c.get_label() for c in time_ax.containers] == list(PHASES)
-    assert len(time_ax.containers[0]) == len(history)
+    assert [c.get_label() for c in time_ax.collections] == list(PHASES)
+    train_area = time_ax.collections[-1].get_paths()[0].vertices
+    assert abs(train_area[:, 1].max() - sum(0.1 * (i + 1) for i in range(len(PHASES)))) < 1e-9  # stacked
     assert set(lines_by_label(mismatch_ax)) == {"mean", "max"}
 
 
