@@ -202,21 +202,35 @@ def summary(history: list[dict[str, Any]]) -> str:
 
 
 class RedrawClock:
-    """When a view may redraw: ``interval`` seconds after the last redraw, and never sooner than 100
-    times the last redraw took, so that drawing costs at most 1% of the run's time.
+    """When a view may redraw, so that drawing costs a known, small share of a run.
+
+    A redraw is due at most every ``interval`` seconds, and only while all drawing so far plus the
+    next draw (estimated at the last one's cost) stays within ``share`` of the time since
+    :meth:`restart`. The view's final draw, at the end of training, comes on top: one draw (about
+    half a second on a CPU) per run.
 
     Attributes:
         drawing_seconds: total time spent drawing, in seconds.
     """
 
-    def __init__(self, interval: float, start: float = -math.inf) -> None:
+    FIRST_DRAW_SECONDS = 0.5  # the estimate before anything was drawn
+
+    def __init__(self, interval: float, share: float = 0.005) -> None:
         self.interval = interval
+        self.share = share
         self.drawing_seconds = 0.0
         self.last_draw_seconds = 0.0
-        self.last = start
+        self.restart()
+
+    def restart(self) -> None:
+        """Count the budget from now (the start of training)."""
+        self.start = self.last = time.monotonic()
 
     def due(self) -> bool:
-        return time.monotonic() - self.last >= max(self.interval, 100 * self.last_draw_seconds)
+        now = time.monotonic()
+        next_draw = self.last_draw_seconds or self.FIRST_DRAW_SECONDS
+        within_budget = self.drawing_seconds + next_draw <= self.share * (now - self.start)
+        return now - self.last >= self.interval and within_budget
 
     def timed(self, draw: Callable[[], None]) -> None:
         """Run ``draw`` and count its time."""
@@ -233,13 +247,16 @@ class PngWriter(TrainerCallback):
     Args:
         history: the live list of log events (``MetricsLog.history``).
         path: the PNG file.
-        interval: shortest time between redraws, in seconds (drawing takes about half a second on a CPU).
+        interval: shortest time between redraws, in seconds.
     """
 
     def __init__(self, history: list[dict[str, Any]], path: str | Path, interval: float = 30.0) -> None:
         self.history = history
         self.path = Path(path)
-        self.clock = RedrawClock(interval, start=time.monotonic())
+        self.clock = RedrawClock(interval)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.clock.restart()
 
     def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if state.is_world_process_zero and self.history and self.clock.due():
@@ -253,8 +270,8 @@ class PngWriter(TrainerCallback):
 class LiveDashboard(TrainerCallback):
     """The run's figure and a status line, live in the notebook cell that trains.
 
-    Redraws after a log event as a :class:`RedrawClock` allows (at most 1% of the run's time goes
-    to drawing), and at the end.
+    The status line (step, recent reward) follows every log event; the figure redraws as a
+    :class:`RedrawClock` allows (0.5% of the training time, plus one final draw at the end).
 
     Args:
         history: the live list of log events (``MetricsLog.history``); it can be set later, so that
@@ -274,7 +291,11 @@ class LiveDashboard(TrainerCallback):
         self.widget = ipywidgets.VBox([self.status, self.image])
         display(self.widget)
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.clock.restart()
+
     def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+        self.show_status(state.global_step, state.max_steps)
         if self.history and self.clock.due():
             self.clock.timed(lambda: self.redraw(state.global_step, state.max_steps))
 
@@ -284,8 +305,10 @@ class LiveDashboard(TrainerCallback):
 
     def redraw(self, step: int, max_steps: int, done: bool = False) -> None:
         self.image.value = png_bytes(self.history, self.figure)
-        reward = _series(self.history, "reward")[1]
-        recent = reward[-max(1, len(reward) // 10) :]
+        self.show_status(step, max_steps, done)
+
+    def show_status(self, step: int, max_steps: int, done: bool = False) -> None:
+        recent = [e["reward"] for e in self.history[-max(1, len(self.history) // 10) :] if "reward" in e]
         text = f"step {step} of {max_steps}" + (" (done)" if done else "")
         if recent:
             text += f" | reward, last {len(recent)} steps: {sum(recent) / len(recent):.3f}"

@@ -230,6 +230,29 @@ class Engine:
         self._state = EngineState(Weights.RESIDENT, self._state.kv_cache_awake)
         self.reset_prefix_cache()
 
+    def pool_bytes(self) -> dict[str, int]:
+        """Device bytes that vLLM's sleep-mode pool holds now, by tag (``weights``, ``kv_cache``).
+
+        A sleeping tag holds none (level 1 keeps a copy in CPU memory). Empty without sleep mode
+        (CPU) or where this vLLM keeps its pool differently.
+        """
+        if not self.sleep_mode or self.llm is None:
+            return {}
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            allocations = list(CuMemAllocator.get_instance().pointer_to_data.values())
+            sizes: dict[str, int] = {}
+            for allocation in allocations:
+                sizes[allocation.tag] = sizes.get(allocation.tag, 0) + int(allocation.handle[1])
+        except (ImportError, AttributeError, IndexError, TypeError):
+            return {}
+        awake = {
+            "weights": self._state.weights in (Weights.RESIDENT, Weights.GARBAGE),
+            "kv_cache": self._state.kv_cache_awake,
+        }
+        return {tag: size if awake.get(tag, True) else 0 for tag, size in sizes.items()}
+
     @property
     def writes_in_place(self) -> bool:
         """Whether tensors written into :meth:`parameter_views` are what the engine computes with.

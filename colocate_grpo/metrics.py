@@ -7,7 +7,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +68,17 @@ class PhaseClock:
     Engine phases are wrapped with :meth:`phase`; whatever else happens in the step counts as
     ``train``. :meth:`end_step` returns ``time/<phase>`` (seconds, every phase every step, 0 when
     a phase did not run) and, per phase that ran, ``memory/<phase>/...`` in GiB: on a GPU the
-    device's used memory after the phase and the trainer's peak allocated and reserved memory
-    during it; on CPU the process's resident memory after it.
+    device's used memory after the phase, torch's peak allocated and reserved memory during it
+    (vLLM's sleep-mode pool is part of torch's), and ``vllm_<tag>_gib``, what that pool holds on
+    the device by tag (``weights``, ``kv_cache``); on CPU the process's resident memory after it.
+
+    Attributes:
+        pools: returns the device bytes vLLM's pool holds, by tag (set once the engine exists).
     """
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
+        self.pools: Callable[[], dict[str, int]] = dict
         self._seconds: dict[str, float] = defaultdict(float)
         self._memory: dict[str, dict[str, float]] = {}
         self._step_start = time.perf_counter()
@@ -136,10 +141,12 @@ class PhaseClock:
         }
 
     def _resident(self) -> dict[str, float]:
+        pools = {f"vllm_{tag}_gib": size / GIB for tag, size in self.pools().items()}
         if self.cuda:
             free, total = torch.cuda.mem_get_info()
-            return {"device_used_gib": (total - free) / GIB, "allocated_gib": torch.cuda.memory_allocated() / GIB}
-        return {"rss_gib": psutil.Process().memory_info().rss / GIB}
+            used = {"device_used_gib": (total - free) / GIB, "allocated_gib": torch.cuda.memory_allocated() / GIB}
+            return {**used, **pools}
+        return {"rss_gib": psutil.Process().memory_info().rss / GIB, **pools}
 
 
 class PhaseMetrics(TrainerCallback):

