@@ -153,11 +153,12 @@ def png_bytes(history: list[dict[str, Any]], figure: Figure | None = None) -> by
     return buffer.getvalue()
 
 
-def save_png(history: list[dict[str, Any]], path: str | Path) -> Path:
-    """Draw the run's figure and write it as a PNG (written beside, then renamed: never half a file)."""
+def save_png(history: list[dict[str, Any]], path: str | Path, figure: Figure | None = None) -> Path:
+    """Draw the run's figure (on ``figure`` when given) and write it as a PNG (written beside, then renamed:
+    never half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure = draw(history)
+    figure = draw(history, figure)
     partial = path.with_suffix(".partial.png")
     FigureCanvasAgg(figure).print_png(str(partial))
     partial.replace(path)
@@ -254,17 +255,18 @@ class PngWriter(TrainerCallback):
         self.history = history
         self.path = Path(path)
         self.clock = RedrawClock(interval)
+        self.figure = Figure(figsize=FIGSIZE)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         self.clock.restart()
 
     def on_log(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if state.is_world_process_zero and self.history and self.clock.due():
-            self.clock.timed(lambda: save_png(self.history, self.path))
+            self.clock.timed(lambda: save_png(self.history, self.path, self.figure))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         if state.is_world_process_zero and self.history:
-            self.clock.timed(lambda: save_png(self.history, self.path))
+            self.clock.timed(lambda: save_png(self.history, self.path, self.figure))
 
 
 class LiveDashboard(TrainerCallback):
