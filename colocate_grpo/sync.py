@@ -136,10 +136,10 @@ class _InPlaceWrites:
         self.graph, self.graph_key = graph, key  # only a completed capture is ever replayed
 
 
-# Per engine model (vLLM's nn.Module), per trainer model: dropped with the engine's model, so that
-# the views into its parameters do not keep its memory alive after close().
-_writes_of: weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakKeyDictionary[torch.nn.Module, _InPlaceWrites]]
-_writes_of = weakref.WeakKeyDictionary()
+# Per engine model (vLLM's nn.Module), per trainer model (None: not writable in place): dropped with
+# the engine's model, so that the views into its parameters do not keep its memory alive after close().
+_WritesByModel = weakref.WeakKeyDictionary[torch.nn.Module, _InPlaceWrites | None]
+_writes_of: weakref.WeakKeyDictionary[torch.nn.Module, _WritesByModel] = weakref.WeakKeyDictionary()
 
 
 def _in_place_writes(model: torch.nn.Module, engine: Engine) -> _InPlaceWrites | None:
@@ -150,9 +150,7 @@ def _in_place_writes(model: torch.nn.Module, engine: Engine) -> _InPlaceWrites |
     if model not in per_model:
         sources = _sources(model)
         views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
-        if views is None:
-            return None
-        per_model[model] = _InPlaceWrites(sources, views)
+        per_model[model] = None if views is None else _InPlaceWrites(sources, views)
     return per_model[model]
 
 
