@@ -70,6 +70,8 @@ def voila(tmp_path):
 def test_the_live_dashboard_shows_in_chromium(voila, tmp_path):
     from playwright.sync_api import sync_playwright
 
+    assert CHROMIUM, "Debian's chromium is missing: .ci/run installs it (apt install chromium)"
+
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
