@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +48,8 @@ def _memory_key(history: list[dict[str, Any]]) -> str:
 
 
 def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
-    """Draw the run's five panels (reward, completion length, merge, memory by phase, step time) on a figure."""
+    """Draw the run's six panels (reward, completion length, merge, memory by phase, step time, logprob
+    mismatch) on a figure."""
     figure = figure or Figure(figsize=FIGSIZE)
     figure.clear()
     # Fixed margins: constrained layout cost more than all the plotting together.
@@ -121,18 +123,16 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
         time_ax.fill_between(phase_steps, below, top, step="mid", color=PHASE_COLORS[phase], label=phase, linewidth=0)
         bottom = top
     time_ax.set(title="Step time by phase (s)", xlabel="step")
-    if bottom is not None and len(bottom) > 2:
-        # The first step also compiles and warms up; scaled to it, every later step would be a sliver.
-        typical = sorted(bottom[1:])[len(bottom[1:]) // 2]
-        if bottom[0] > 3 * typical:
-            time_ax.set_ylim(0, 2.5 * max(bottom[1:]))
-            time_ax.annotate(
-                f"step {steps_with_time[0]}: {bottom[0]:.1f} s (warm-up)",
-                (steps_with_time[0], 2.5 * max(bottom[1:])),
-                xytext=(4, -12),
-                textcoords="offset points",
-                fontsize="small",
-            )
+    # The first step also compiles and warms up; scaled to it, every later step would be a sliver.
+    if bottom is not None and len(bottom) > 2 and bottom[0] > 3 * statistics.median(bottom[1:]):
+        time_ax.set_ylim(0, 2.5 * max(bottom[1:]))
+        time_ax.annotate(
+            f"step {steps_with_time[0]}: {bottom[0]:.1f} s (warm-up)",
+            (steps_with_time[0], 2.5 * max(bottom[1:])),
+            xytext=(4, -12),
+            textcoords="offset points",
+            fontsize="small",
+        )
     time_ax.legend(loc="upper right", fontsize="small")
 
     mismatch_ax.plot(*_series(history, "sampling/sampling_logp_difference/mean"), color="#cb181d", label="mean")

@@ -80,9 +80,12 @@ def merged_named_weights(
     ``include_frozen=False`` only tensors that training can change are yielded: the weights of
     LoRA layers and parameters that require gradients.
     """
-    for source in _sources(model):
-        if include_frozen or source.changes_in_training():
-            yield source.name, source.value(stats)
+    for source in _to_send(_sources(model), include_frozen):
+        yield source.name, source.value(stats)
+
+
+def _to_send(sources: list[_Source], include_frozen: bool) -> Iterator[_Source]:
+    return (s for s in sources if include_frozen or s.changes_in_training())
 
 
 class _InPlaceWrites:
@@ -99,6 +102,7 @@ class _InPlaceWrites:
         self.sources = sources
         self.views = views
         self.layers = [s.layer for s in sources if s.layer is not None]
+        self.cuda = next(iter(views.values())).rows.is_cuda
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_key: tuple | None = None
 
@@ -112,17 +116,15 @@ class _InPlaceWrites:
         )
 
     def _write(self, include_frozen: bool, stats: RetainedUpdate | None) -> None:
-        for source in self.sources:
-            if include_frozen or source.changes_in_training():
-                view = self.views[source.name]
-                source.value(stats, out=view.rows)
-                if view.padding is not None:
-                    view.padding.zero_()
+        for source in _to_send(self.sources, include_frozen):
+            view = self.views[source.name]
+            source.value(stats, out=view.rows)
+            if view.padding is not None:
+                view.padding.zero_()
 
     @torch.no_grad()
     def __call__(self, include_frozen: bool, stats: RetainedUpdate | None) -> None:
-        cuda = next(iter(self.views.values())).rows.is_cuda
-        if stats is not None or not cuda:  # the retained-update statistics are computed eagerly
+        if stats is not None or not self.cuda:  # the retained-update statistics are computed eagerly
             self._write(include_frozen, stats)
             return
         key = self._key(include_frozen)
