@@ -89,6 +89,17 @@ def copy_floor_s(model: torch.nn.Module) -> float:
     return min(times)
 
 
+def pool_layout() -> dict[str, list[int]]:
+    """vLLM's sleep-mode allocations: count and GiB per tag."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    layout: dict[str, list[int]] = {}
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        count, size = layout.get(data.tag, [0, 0])
+        layout[data.tag] = [count + 1, size + data.handle[1]]
+    return {tag: [count, round(size / 2**30, 3)] for tag, (count, size) in layout.items()}
+
+
 def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     """One training run in this process; returns its measurements."""
     import random
@@ -164,29 +175,55 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
     step_log: list[dict] = []
     current: dict = {}
-    depth = [0]
+    phases: list[str] = []  # the timed calls in progress, outermost first
 
     def timed(name: str, fn):  # noqa: ANN001, ANN202
         def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            depth[0] += 1
+            phases.append(name)
             try:
                 return fn(*a, **k)
             finally:
-                depth[0] -= 1
+                phases.pop()
                 if cuda:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start
                 current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + elapsed
-                if name == "wake" and depth[0] > 0:  # the sync's own wake of the weights
+                if name == "wake" and phases:  # the sync's own wake of the weights
                     current["sync_wake_s"] = current.get("sync_wake_s", 0.0) + elapsed
-                if depth[0] == 0 and name != "generate":  # a wake inside a sync counts once
+                if not phases and name != "generate":  # a wake inside a sync counts once
                     current["overhead_s"] = current.get("overhead_s", 0.0) + elapsed
                 current[f"{name}_device_gib"] = max(current.get(f"{name}_device_gib", 0.0), device_used_gib())
 
         return wrapper
+
+    def part(name: str, fn):  # noqa: ANN001, ANN202
+        """Time a piece of a phase (a driver call, a collection), filed under the innermost phase."""
+
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if phases:
+                    key = f"{phases[-1]}.{name}_s"
+                    current[key] = current.get(key, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    if cuda:  # where sleep and wake spend their time: vLLM's driver calls, its collection, torch's cache
+        import gc
+        import types
+
+        from vllm.device_allocator import cumem
+
+        cumem.create_and_map = part("map", cumem.create_and_map)
+        cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
+        cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
+        torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
+        torch.accelerator.empty_cache = part("empty_cache", torch.accelerator.empty_cache)
 
     generation = trainer.vllm_generation
     generation.sync_weights = timed("sync", generation.sync_weights)
@@ -235,7 +272,10 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
         return statistics.median(values) if values else float("nan")
 
     overhead = [s.get("overhead_s", 0.0) / s["step_s"] for s in measured]
+    parts = sorted({k for s in measured for k in s if "." in k})
     return {
+        "parts_s": {k: median(k) for k in parts},
+        "pool": pool_layout() if cuda else {},
         "kind": kind,
         "steps": step_log,
         "step_s": median("step_s"),
@@ -312,6 +352,11 @@ def table(results: list[dict]) -> str:
             continue
         peaks = " ".join(f"{p}={v:.1f}" for p, v in r["peak_device_gib"].items())
         lines.append(f"| {r['shape']} | {r['kind']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + f" | {peaks} |")
+    lines.append("")
+    for r in results:
+        if r.get("parts_s"):
+            parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["parts_s"].items())
+            lines.append(f"{r['shape']} {r['kind']} ms per step: {parts}; vLLM pool [count, GiB]: {r['pool']}")
     lines.append("")
     for shape in dict.fromkeys(r["shape"] for r in results):
         runs = {r["kind"]: r for r in results if r["shape"] == shape and "failed" not in r}

@@ -28,6 +28,11 @@ from colocate_grpo.sync import push_weights, served_weight_mismatches
 
 logger = logging.getLogger(__name__)
 
+# TRL sizes the engine's batch to the generation batch. vLLM 0.26 crashed in its warm-up on the H200 with
+# max_num_seqs=16 (an illegal memory access) and ran with 64. Its own default there, 1024, costs memory that
+# sleep mode does not free (CUDA graphs for batches up to 512).
+MIN_NUM_SEQS = 64
+
 
 @dataclass
 class MergeCheck:
@@ -164,8 +169,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 model_path=generation.model.name_or_path,
                 options=options,
                 dtype=str(dtype).removeprefix("torch."),
-                # vLLM's default, not TRL's batch-sized value: vLLM 0.26 crashed in its warm-up on the H200
-                # with max_num_seqs=16 (an illegal memory access), while its default ran.
+                max_num_seqs=max(MIN_NUM_SEQS, generation.max_num_seqs or 0),
                 seed=args.seed,
                 trust_remote_code=generation.trust_remote_code,
             )

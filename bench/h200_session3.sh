@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Device calls after staging vLLM (shared/gpu/README.md). Results go to $OUT (bench/results/ by hand).
+#   bash bench/h200_session3.sh tests        the GPU tests of engine, sync, resume and interrupts; sleep/wake profile
+#   bash bench/h200_session3.sh bench 1.5B   stock TRL against ours at one shape (bench/sync_vs_trl.py)
+set -u
+export PYTHONPATH=/tmp/gpu-site:$PWD TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+out=${OUT:-bench/results}
+mkdir -p "$out"
+case $1 in
+tests)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_engine.py tests/test_sync.py \
+    tests/test_end_to_end.py tests/test_interrupts.py > "$out/h200_pytest.txt" 2>&1
+  tail -5 "$out/h200_pytest.txt"
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import sync_vs_trl as b; \
+b.build_model('1.5B', Path('/tmp/sync_vs_trl_models/1.5B'))"
+  timeout 200 python3 bench/profile_sleep_wake.py /tmp/sync_vs_trl_models/1.5B > "$out/profile_sleep_wake_1.5B.txt" 2>&1
+  grep -a -E "pool|allocates|gc.collect|Error" "$out/profile_sleep_wake_1.5B.txt"
+  ;;
+bench)
+  timeout 580 python3 bench/sync_vs_trl.py --shapes "$2" ${3:+--kinds $3} --out "$out/sync_vs_trl_$2.json" \
+    > "$out/sync_vs_trl_$2.txt" 2>&1
+  tail -25 "$out/sync_vs_trl_$2.txt"
+  ;;
+esac

@@ -1,0 +1,89 @@
+"""Where vLLM's sleep and wake spend their time on the GPU, with and without training's memory in between.
+
+python bench/profile_sleep_wake.py /tmp/sync_vs_trl_models/1.5B    # a model directory (sync_vs_trl.py builds them)
+
+Each cycle: sleep at level 2, optionally allocate and free ``--train-gib`` of device memory as
+training would (left in torch's cache, then emptied as the engine's wake does), wake the weights,
+wake the KV cache. Prints the median milliseconds of each step and of its parts: vLLM's driver
+calls (map, unmap), its garbage collection, torch's cache release.
+"""
+
+import argparse
+import gc
+import statistics
+import time
+import types
+from collections import defaultdict
+
+import torch
+from vllm.device_allocator import cumem
+
+from colocate_grpo.config import VLLMConfig
+from colocate_grpo.engine import Engine
+
+times: defaultdict[str, list[float]] = defaultdict(list)
+current: list[str] = []
+
+
+def part(name: str, fn):  # noqa: ANN001, ANN201
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if current:
+                times[f"{current[-1]}.{name}"].append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def step(name: str, fn) -> None:  # noqa: ANN001
+    torch.cuda.synchronize()
+    current.append(name)
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    times[name].append(time.perf_counter() - start)
+    current.pop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--cycles", type=int, default=6)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    args = parser.parse_args()
+    cumem.create_and_map = part("map", cumem.create_and_map)
+    cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
+    cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
+    torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
+    engine = Engine(
+        args.model, VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=512), max_num_seqs=64
+    )
+    print("vLLM pool (count, GiB) by tag:", _layout())
+    for train_gib in (0, 20):
+        times.clear()
+        for _ in range(args.cycles):
+            step("sleep", lambda: engine.sleep(2))
+            if train_gib:
+                step("train", lambda n=train_gib: torch.ones(n * 2**28, device="cuda").sum().item())
+            step("wake_weights", lambda: engine.wake_up(["weights"]))
+            step("wake_kv", lambda: engine.wake_up(["kv_cache"]))
+        medians = {k: 1e3 * statistics.median(v[1:] or v) for k, v in sorted(times.items())}
+        print(f"training allocates {train_gib} GiB between:", ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()))
+    start = time.perf_counter()
+    collected = gc.collect()
+    print(f"gc.collect in this process: {1e3 * (time.perf_counter() - start):.1f} ms ({collected} collected)")
+    engine.close()
+
+
+def _layout() -> dict[str, tuple[int, float]]:
+    layout: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for data in cumem.CuMemAllocator.get_instance().pointer_to_data.values():
+        layout[data.tag][0] += 1
+        layout[data.tag][1] += data.handle[1]
+    return {tag: (count, round(size / 2**30, 2)) for tag, (count, size) in layout.items()}
+
+
+if __name__ == "__main__":
+    main()
