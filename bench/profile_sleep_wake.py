@@ -5,7 +5,7 @@ python bench/profile_sleep_wake.py /tmp/sync_vs_trl_models/1.5B    # a model dir
 Each cycle: sleep at level 2, optionally allocate and free ``--train-gib`` of device memory as
 training would (left in torch's cache, then emptied as the engine's wake does), wake the weights,
 wake the KV cache. Prints the median milliseconds of each step and of its parts: vLLM's driver
-calls (map, unmap), its garbage collection, torch's cache release.
+calls (map, unmap), its garbage collection (which the engine skips), torch's cache release.
 """
 
 import argparse
@@ -21,7 +21,8 @@ from vllm.device_allocator import cumem
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine
 
-times: defaultdict[str, list[float]] = defaultdict(list)
+times: defaultdict[str, list[float]] = defaultdict(list)  # per cycle: seconds of each step and part
+cycle: defaultdict[str, float] = defaultdict(float)  # the cycle in progress
 current: list[str] = []
 
 
@@ -32,7 +33,7 @@ def part(name: str, fn):  # noqa: ANN001, ANN201
             return fn(*args, **kwargs)
         finally:
             if current:
-                times[f"{current[-1]}.{name}"].append(time.perf_counter() - start)
+                cycle[f"{current[-1]}.{name}"] += time.perf_counter() - start
 
     return wrapper
 
@@ -43,7 +44,7 @@ def step(name: str, fn) -> None:  # noqa: ANN001
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    times[name].append(time.perf_counter() - start)
+    cycle[name] += time.perf_counter() - start
     current.pop()
 
 
@@ -52,13 +53,16 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--cycles", type=int, default=6)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--kv-cache", default="batch", choices=["batch", "memory_fraction"])
     args = parser.parse_args()
     cumem.create_and_map = part("map", cumem.create_and_map)
     cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
     cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
     torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
     engine = Engine(
-        args.model, VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=512), max_num_seqs=64
+        args.model,
+        VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=512, kv_cache=args.kv_cache),
+        max_num_seqs=64,
     )
     print("vLLM pool (count, GiB) by tag:", _layout())
     for train_gib in (0, 20):
@@ -69,6 +73,9 @@ def main() -> None:
                 step("train", lambda n=train_gib: torch.ones(n * 2**28, device="cuda").sum().item())
             step("wake_weights", lambda: engine.wake_up(["weights"]))
             step("wake_kv", lambda: engine.wake_up(["kv_cache"]))
+            for key, seconds in cycle.items():
+                times[key].append(seconds)
+            cycle.clear()
         medians = {k: 1e3 * statistics.median(v[1:] or v) for k, v in sorted(times.items())}
         print(f"training allocates {train_gib} GiB between:", ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()))
     start = time.perf_counter()

@@ -1,7 +1,8 @@
 """Stock TRL colocate against colocate_grpo, same random-weight model and GRPO settings, side by side.
 
-Three trainers: stock TRL (``stock``), colocate_grpo with the same ordinary PEFT LoRA (``ours``),
-and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``). Each (shape, trainer)
+Trainers: stock TRL (``stock``), colocate_grpo with the same ordinary PEFT LoRA (``ours``),
+and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
+``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch. Each (shape, trainer)
 pair runs in its own process: vLLM allows one sleep-mode engine per
 process. The driver builds each shape's random-weight model once, runs both trainers, and prints
 a table with ratios (colocate_grpo / stock TRL): step time, sync time, overhead share (sleep +
@@ -149,7 +150,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
-    if kind == "ours-ma":
+    if kind.startswith("ours-ma"):
         from colocate_grpo.lora import install_merge_aware
 
         install_merge_aware(model, "bf16")
@@ -163,7 +164,10 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     else:
         # CUDA graphs on, as stock TRL's engine has them.
         options = VLLMConfig(
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=max_model_len, enforce_eager=False
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=False,
+            kv_cache="memory_fraction" if kind.endswith("-fraction") else "batch",
         )
         trainer = ColocateGRPOTrainer(**common, vllm_options=options)
 
@@ -261,6 +265,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     # More syncs from the same state the loop syncs from: asleep at level 2, weights discarded.
     repeat_sync_s, repeat_push_s = [], []
     for _ in range(10):
+        generation.llm.wake_up()  # vLLM ignores sleep() unless every tag is awake
         generation.llm.sleep(level=2)
         current.clear()
         generation.sync_weights()
@@ -298,7 +303,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "7B"], help="1.5B, 7B, or tiny (CPU check)")
-    parser.add_argument("--kinds", nargs="+", default=["stock", "ours", "ours-ma"])
+    parser.add_argument("--kinds", nargs="+", default=["stock", "ours", "ours-ma", "ours-ma-fraction"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="sync_vs_trl.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")

@@ -34,6 +34,15 @@ class VLLMConfig:
             "On CPU the KV cache is sized by cpu_kv_cache_gib instead."
         },
     )
+    kv_cache: Literal["batch", "memory_fraction"] = field(
+        default="batch",
+        metadata={
+            "help": "KV cache size. batch: room for the generation batch at full length (max_num_seqs x "
+            "max_model_len tokens), within gpu_memory_utilization (cpu_kv_cache_gib on CPU); the rest stays "
+            "with training, and sleep and wake move less memory. memory_fraction: all that "
+            "gpu_memory_utilization leaves after the weights (TRL's sizing)."
+        },
+    )
     max_model_len: int | None = field(
         default=None,
         metadata={
@@ -52,8 +61,8 @@ class VLLMConfig:
     cpu_kv_cache_gib: float = field(
         default=1.0,
         metadata={
-            "help": "KV cache size on CPU, in GiB. vLLM on CPU otherwise sizes it from the process's own memory, "
-            "which fails in long-lived processes (notebooks)."
+            "help": "Largest KV cache on CPU, in GiB. vLLM on CPU otherwise sizes it from the process's own "
+            "memory, which fails in long-lived processes (notebooks)."
         },
     )
     sleep_level: Literal[1, 2] = field(

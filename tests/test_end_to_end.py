@@ -141,6 +141,15 @@ def test_a_second_run_reuses_the_sleeping_engine(tmp_path):
     assert first.metrics.series("reward") and second.metrics.series("reward")
 
 
+def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
+    """kv_cache: batch, the default: vLLM never preempts a sequence, and the rest of the memory stays with training."""
+    engine = build_trainer(tiny_config(tmp_path)).engine
+    vllm_config = engine.llm_engine.vllm_config
+    batch_tokens = vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
+    capacity = vllm_config.cache_config.num_gpu_blocks * vllm_config.cache_config.block_size
+    assert batch_tokens <= capacity <= 4 * batch_tokens
+
+
 @pytest.mark.slow
 def test_default_job_learns(tmp_path):
     """The README's default job: reward over the last tenth clearly above the first tenth."""
