@@ -2,6 +2,7 @@
 # Device calls after staging vLLM (shared/gpu/README.md). Results go to $OUT (bench/results/ by hand).
 #   bash bench/h200_session3.sh tests        the GPU tests of engine, sync, resume and interrupts; sleep/wake profile
 #   bash bench/h200_session3.sh bench 1.5B   stock TRL against ours at one shape (bench/sync_vs_trl.py)
+#   bash bench/h200_session3.sh push 1.5B    where a sync's push spends its time (bench/profile_push.py)
 set -u
 export PYTHONPATH=/tmp/gpu-site:$PWD TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -22,5 +23,9 @@ bench)
   timeout 580 python3 bench/sync_vs_trl.py --shapes "$2" ${3:+--kinds $3} --out "$out/sync_vs_trl_$2.json" \
     > "$out/sync_vs_trl_$2.txt" 2>&1
   tail -25 "$out/sync_vs_trl_$2.txt"
+  ;;
+push)
+  timeout 200 python3 bench/profile_push.py "/tmp/sync_vs_trl_models/$2" > "$out/profile_push_$2.txt" 2>&1
+  grep -a -v -E "^(INFO|WARNING|\[)" "$out/profile_push_$2.txt" | tail -25
   ;;
 esac

@@ -1,4 +1,4 @@
-"""Where a sync's time goes on the GPU: waking the weights, the eager writes, the CUDA-graph replay.
+"""Where a sync's time goes on the GPU: waking the weights, the eager writes, the CUDA-graph replay, the kernels.
 
 python bench/profile_push.py /tmp/sync_vs_trl_models/1.5B     # a model directory (bench/sync_vs_trl.py builds them)
 """
@@ -34,7 +34,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     install_merge_aware(model, "bf16")
-    engine = Engine(path, VLLMConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=False))
+    engine = Engine(path, VLLMConfig(gpu_memory_utilization=0.3, max_model_len=512), max_num_seqs=64)
     sources = sync._sources(model)
     nbytes = sum(s.param.numel() * s.param.element_size() for s in sources)
 
@@ -61,6 +61,15 @@ def main() -> None:
     print(f"level-2 sleep + wake of the weights {sleep_wake:.2f} ms")
     print(f"push, eager with retained-update statistics {eager:.2f} ms; push, CUDA graph {graph:.2f} ms")
     print(f"parameter_views (once per model and engine) {views:.2f} ms")
+    writes = sync._in_place_writes(model, engine)
+    engine.wake_up(["weights"])
+    replay = median_ms(writes.graph.replay)
+    kernels = median_ms(lambda: writes._write(True, None))
+    print(f"graph replay alone {replay:.2f} ms; the same writes launched eagerly {kernels:.2f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        writes._write(True, None)
+        torch.cuda.synchronize()
+    print(profile.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
 
 
 if __name__ == "__main__":

@@ -264,8 +264,11 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     measured = step_log[WARMUP_STEPS:] or step_log
     # More syncs from the same state the loop syncs from: asleep at level 2, weights discarded.
     repeat_sync_s, repeat_push_s = [], []
+    executor = generation.llm.llm_engine.model_executor
     for _ in range(10):
-        generation.llm.wake_up()  # vLLM ignores sleep() unless every tag is awake
+        asleep = sorted(getattr(executor, "sleeping_tags", ()))
+        if asleep:  # vLLM ignores sleep() unless every tag is awake (and fails to wake an awake tag)
+            generation.llm.wake_up(tags=asleep)
         generation.llm.sleep(level=2)
         current.clear()
         generation.sync_weights()

@@ -493,14 +493,15 @@ def _without_vllms_collection() -> Iterator[None]:
     Python's own collector still runs as usual.
     """
     module = sys.modules.get("vllm.device_allocator.cumem")
-    if module is None or getattr(module, "gc", None) is not gc:
+    collector = getattr(module, "gc", None)
+    if collector is None:
         yield
         return
     module.gc = _NO_COLLECTION
     try:
         yield
     finally:
-        module.gc = gc
+        module.gc = collector
 
 
 _NO_COLLECTION = types.SimpleNamespace(collect=lambda *_: 0)
