@@ -30,8 +30,8 @@ class VLLMConfig:
     gpu_memory_utilization: float = field(
         default=0.3,
         metadata={
-            "help": "Fraction of the GPU's memory vLLM may take for weights and KV cache (0, 1]. "
-            "On CPU the KV cache is sized by cpu_kv_cache_gib instead."
+            "help": "Fraction of the GPU's memory vLLM may take for weights and KV cache (0, 1]; with "
+            "kv_cache: batch it takes less when the batch needs less. On CPU see cpu_kv_cache_gib."
         },
     )
     kv_cache: Literal["batch", "memory_fraction"] = field(

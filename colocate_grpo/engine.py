@@ -159,10 +159,24 @@ class Engine:
             # On CPU vLLM sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes
             # negative once a long-lived process (a notebook, a test session) has loaded models.
             return min(needed or 2**62, int(self.options.cpu_kv_cache_gib * 2**30))
+        if needed is None:
+            return None
         weights = checkpoint_bytes(self.model_path)
         allowed = self.options.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
-        if needed is None or weights is None or needed + weights + ACTIVATION_MARGIN_BYTES > allowed:
+        if weights is None or needed + weights + ACTIVATION_MARGIN_BYTES > allowed:
+            logger.info(
+                "The generation batch needs a %.2f GiB KV cache, more than gpu_memory_utilization=%g leaves "
+                "(or the weights' size is unknown): vLLM sizes the KV cache from the fraction.",
+                needed / 2**30,
+                self.options.gpu_memory_utilization,
+            )
             return None
+        logger.info(
+            "KV cache: %.2f GiB, room for %d sequences of %d tokens (vllm.kv_cache: batch).",
+            needed / 2**30,
+            max_num_seqs,
+            self.options.max_model_len,
+        )
         return needed
 
     # --- state -------------------------------------------------------------------------------
