@@ -4,11 +4,18 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
 
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.engine import Engine, EngineStateError, Weights, shared_engine
+from colocate_grpo.engine import (
+    Engine,
+    EngineStateError,
+    Weights,
+    batch_kv_cache_bytes,
+    checkpoint_bytes,
+    shared_engine,
+)
 from colocate_grpo.tiny import tiny_model_path
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
@@ -42,6 +49,17 @@ def engine(engine_and_rng, hf_weights):
     if engine.state.weights is Weights.GARBAGE:
         engine.load_weights(hf_weights)
     return engine
+
+
+def test_batch_kv_cache_size_counts_keys_and_values_of_every_layer_and_token():
+    path = str(tiny_model_path())
+    config = AutoConfig.from_pretrained(path)
+    head_dim = config.hidden_size // config.num_attention_heads
+    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # keys, values; bf16
+    # 100 tokens: rounded up to 128, plus a spare 64-token block for the partly filled last block.
+    assert batch_kv_cache_bytes(path, 8, 100, "bfloat16") == 8 * 192 * bytes_per_token
+    assert checkpoint_bytes(path) > 0
+    assert checkpoint_bytes("no-such-org/no-such-model") is None  # vLLM then sizes the cache itself
 
 
 def test_creating_the_engine_leaves_the_callers_rng_alone(engine_and_rng):
