@@ -82,7 +82,8 @@ class Engine:
         model_path: HF model directory (or hub id) holding the base weights.
         options: the ``vllm:`` block of the config.
         dtype: torch dtype name used when ``options.dtype`` is ``auto`` (the training dtype).
-        max_num_seqs: largest number of sequences generated at once.
+        max_num_seqs: largest number of sequences generated at once; with ``kv_cache: batch`` the KV
+            cache holds that many at ``max_model_len`` tokens.
         seed: sampling seed; the caller's global RNG states are preserved across engine creation.
 
     Only one engine lives in a process: creating a second closes the first (vLLM
