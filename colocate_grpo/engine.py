@@ -440,11 +440,15 @@ def batch_kv_cache_bytes(
     """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once.
 
     Counts keys and values of every layer at full attention (an upper bound for sliding-window or
-    hybrid models). None when the model's config does not give layers, heads and head size.
+    hybrid models). None when transformers cannot read the model's config or it does not give
+    layers, heads and head size.
     """
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: it sizes the cache itself
+        return None
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -62,6 +62,11 @@ def test_batch_kv_cache_size_counts_keys_and_values_of_every_layer_and_token():
     assert checkpoint_bytes("no-such-org/no-such-model") is None  # vLLM then sizes the cache itself
 
 
+def test_batch_kv_cache_size_is_unknown_for_a_config_transformers_cannot_read(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "only-vllm-knows-this"}')
+    assert batch_kv_cache_bytes(str(tmp_path), 8, 100, "bfloat16") is None
+
+
 def test_creating_the_engine_leaves_the_callers_rng_alone(engine_and_rng):
     _, (expected_tensor, expected_float), (tensor, value) = engine_and_rng
     assert torch.equal(tensor, expected_tensor) and value == expected_float
