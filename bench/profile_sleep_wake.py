@@ -16,6 +16,7 @@ import types
 from collections import defaultdict
 
 import torch
+from sync_vs_trl import pool_layout
 from vllm.device_allocator import cumem
 
 from colocate_grpo.config import VLLMConfig
@@ -64,7 +65,7 @@ def main() -> None:
         VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=512, kv_cache=args.kv_cache),
         max_num_seqs=64,
     )
-    print("vLLM pool (count, GiB) by tag:", _layout())
+    print("vLLM pool [count, GiB] by tag:", pool_layout())
     for train_gib in (0, 20):
         times.clear()
         for _ in range(args.cycles):
@@ -82,14 +83,6 @@ def main() -> None:
     collected = gc.collect()
     print(f"gc.collect in this process: {1e3 * (time.perf_counter() - start):.1f} ms ({collected} collected)")
     engine.close()
-
-
-def _layout() -> dict[str, tuple[int, float]]:
-    layout: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for data in cumem.CuMemAllocator.get_instance().pointer_to_data.values():
-        layout[data.tag][0] += 1
-        layout[data.tag][1] += data.handle[1]
-    return {tag: (count, round(size / 2**30, 2)) for tag, (count, size) in layout.items()}
 
 
 if __name__ == "__main__":
