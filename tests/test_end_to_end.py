@@ -73,7 +73,9 @@ def test_served_policy_follows_the_trained_policy(tmp_path):
         served_after = engine_logprobs(trainer.engine, ids, n)
         assert torch.allclose(served_after, after, atol=LOGPROB_TOLERANCE, rtol=LOGPROB_RTOL), (served_after, after)
         served_change, trained_change = served_after - served_before, after - before
-        assert torch.allclose(served_change, trained_change, atol=LOGPROB_TOLERANCE), (served_change, trained_change)
+        # Within the kernels' disagreement at either end; a stale engine would serve none of a larger change.
+        allowed = 2 * LOGPROB_TOLERANCE + LOGPROB_RTOL * (before.abs() + after.abs())
+        assert ((served_change - trained_change).abs() <= allowed).all(), (served_change, trained_change)
     finally:
         trainer.engine.sleep()  # kept for the next test: one sleep-mode engine per GPU process
 
