@@ -2,7 +2,7 @@
 
 python bench/profile_sleep_wake.py /tmp/sync_vs_trl_models/1.5B    # a model directory (sync_vs_trl.py builds them)
 
-Each cycle: sleep at level 2, optionally allocate and free ``--train-gib`` of device memory as
+Each cycle: sleep at level 2, then (in the second round) allocate and free 20 GiB of device memory as
 training would (left in torch's cache, then emptied as the engine's wake does), wake the weights,
 wake the KV cache. Prints the median milliseconds of each step and of its parts: vLLM's driver
 calls (map, unmap), its garbage collection (which the engine skips), torch's cache release.
@@ -12,12 +12,10 @@ import argparse
 import gc
 import statistics
 import time
-import types
 from collections import defaultdict
 
 import torch
-from sync_vs_trl import pool_layout
-from vllm.device_allocator import cumem
+from sync_vs_trl import pool_layout, time_sleep_mode_parts
 
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine
@@ -27,25 +25,13 @@ cycle: defaultdict[str, float] = defaultdict(float)  # the cycle in progress
 current: list[str] = []
 
 
-def part(name: str, fn):  # noqa: ANN001, ANN201
-    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if current:
-                cycle[f"{current[-1]}.{name}"] += time.perf_counter() - start
-
-    return wrapper
-
-
 def step(name: str, fn) -> None:  # noqa: ANN001
     torch.cuda.synchronize()
     current.append(name)
     start = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    cycle[name] += time.perf_counter() - start
+    cycle[f"{name}_s"] += time.perf_counter() - start
     current.pop()
 
 
@@ -56,10 +42,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--kv-cache", default="batch", choices=["batch", "memory_fraction"])
     args = parser.parse_args()
-    cumem.create_and_map = part("map", cumem.create_and_map)
-    cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
-    cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
-    torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
+    time_sleep_mode_parts(current, cycle)
     engine = Engine(
         args.model,
         VLLMConfig(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=512, kv_cache=args.kv_cache),
@@ -77,7 +60,7 @@ def main() -> None:
             for key, seconds in cycle.items():
                 times[key].append(seconds)
             cycle.clear()
-        medians = {k: 1e3 * statistics.median(v[1:] or v) for k, v in sorted(times.items())}
+        medians = {k.removesuffix("_s"): 1e3 * statistics.median(v[1:] or v) for k, v in sorted(times.items())}
         print(f"training allocates {train_gib} GiB between:", ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()))
     start = time.perf_counter()
     collected = gc.collect()

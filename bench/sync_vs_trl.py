@@ -90,6 +90,37 @@ def copy_floor_s(model: torch.nn.Module) -> float:
     return min(times)
 
 
+def time_sleep_mode_parts(phases: list[str], totals: dict[str, float]) -> None:
+    """Time where sleep and wake spend their time: vLLM's driver calls, its collection, torch's cache.
+
+    Each call's seconds are added to ``totals["<phase>.<part>_s"]``, ``phase`` being the innermost of
+    ``phases`` (the timed calls in progress); calls outside any phase are not counted.
+    """
+    import gc
+    import types
+
+    import torch
+    from vllm.device_allocator import cumem
+
+    def part(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if phases:
+                    key = f"{phases[-1]}.{name}_s"
+                    totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    cumem.create_and_map = part("map", cumem.create_and_map)
+    cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
+    cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
+    torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
+    torch.accelerator.empty_cache = part("empty_cache", torch.accelerator.empty_cache)
+
+
 def pool_layout() -> dict[str, list[int]]:
     """vLLM's sleep-mode allocations: count and GiB per tag."""
     from vllm.device_allocator.cumem import CuMemAllocator
@@ -203,31 +234,8 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
         return wrapper
 
-    def part(name: str, fn):  # noqa: ANN001, ANN202
-        """Time a piece of a phase (a driver call, a collection), filed under the innermost phase."""
-
-        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if phases:
-                    key = f"{phases[-1]}.{name}_s"
-                    current[key] = current.get(key, 0.0) + time.perf_counter() - start
-
-        return wrapper
-
-    if cuda:  # where sleep and wake spend their time: vLLM's driver calls, its collection, torch's cache
-        import gc
-        import types
-
-        from vllm.device_allocator import cumem
-
-        cumem.create_and_map = part("map", cumem.create_and_map)
-        cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
-        cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
-        torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
-        torch.accelerator.empty_cache = part("empty_cache", torch.accelerator.empty_cache)
+    if cuda:
+        time_sleep_mode_parts(phases, current)
 
     generation = trainer.vllm_generation
     generation.sync_weights = timed("sync", generation.sync_weights)

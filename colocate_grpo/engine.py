@@ -159,7 +159,8 @@ class Engine:
         if self.cpu:
             # On CPU vLLM sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes
             # negative once a long-lived process (a notebook, a test session) has loaded models.
-            return min(needed or 2**62, int(self.options.cpu_kv_cache_gib * 2**30))
+            largest = int(self.options.cpu_kv_cache_gib * 2**30)
+            return largest if needed is None else min(needed, largest)
         if needed is None:
             return None
         weights = checkpoint_bytes(self.model_path)
@@ -455,7 +456,7 @@ def batch_kv_cache_bytes(
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     if not (layers and kv_heads and head_dim):
         return None
-    bytes_per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    bytes_per_token = 2 * layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
     tokens_per_sequence = (-(-max_model_len // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
     return bytes_per_token * tokens_per_sequence * max_num_seqs
 
