@@ -43,29 +43,36 @@ def main() -> None:
         torch.cuda.synchronize()
         engine.wake_up(["weights"])
 
-    def asleep_then(push) -> float:  # noqa: ANN001
+    def asleep_then(push, settle_s: float = 0.0) -> float:  # noqa: ANN001
         times = []
         for _ in range(10):
             engine.sleep(2)
             engine.wake_up(["weights"])
+            torch.cuda.synchronize()
+            time.sleep(settle_s)
             times.append(median_ms(push, repeats=1))
         return statistics.median(times)
 
     sleep_wake = median_ms(wake)
     eager = asleep_then(lambda: sync.push_weights(model, engine, RetainedUpdate()))
     graph = asleep_then(lambda: sync.push_weights(model, engine))
+    # Whether the driver still works on freshly mapped memory (scrubbing it) when the wake returns.
+    settled = asleep_then(lambda: sync.push_weights(model, engine), settle_s=0.2)
     views = median_ms(lambda: engine.parameter_views({s.name: tuple(s.param.shape) for s in sources}))
     source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     floor = median_ms(lambda: torch.empty_like(source).copy_(source))
     print(f"{len(sources)} tensors, {nbytes / 2**30:.2f} GiB; copy floor (read + write once) {floor:.2f} ms")
     print(f"level-2 sleep + wake of the weights {sleep_wake:.2f} ms")
     print(f"push, eager with retained-update statistics {eager:.2f} ms; push, CUDA graph {graph:.2f} ms")
+    print(f"push, CUDA graph, 0.2 s after the wake returned {settled:.2f} ms")
     print(f"parameter_views (once per model and engine) {views:.2f} ms")
     writes = sync._in_place_writes(model, engine)
     engine.wake_up(["weights"])
     replay = median_ms(writes.graph.replay)
+    key = median_ms(lambda: writes._key(True))
     kernels = median_ms(lambda: writes._write(True, None))
     print(f"graph replay alone {replay:.2f} ms; the same writes launched eagerly {kernels:.2f} ms")
+    print(f"the graph's key (Python, every sync) {key:.2f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         writes._write(True, None)
         torch.cuda.synchronize()

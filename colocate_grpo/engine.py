@@ -225,14 +225,26 @@ class Engine:
         wake_weights = "weights" in tags and weights in (Weights.OFFLOADED, Weights.DISCARDED)
         wake_kv = "kv_cache" in tags and not kv_awake
         if self.sleep_mode and (wake_weights or wake_kv):
-            # The trainer's allocator still caches what training freed; handing it back first keeps the
-            # device's peak at the trainer's live memory plus vLLM's (TRL does the same before its wake).
-            torch.cuda.empty_cache()
+            waking = [t for t, on in (("weights", wake_weights), ("kv_cache", wake_kv)) if on]
+            self._make_room(waking)
             with _without_vllms_collection():
-                llm.wake_up(tags=[t for t, on in (("weights", wake_weights), ("kv_cache", wake_kv)) if on])
+                llm.wake_up(tags=waking)
         if wake_weights:
             weights = Weights.RESIDENT if weights is Weights.OFFLOADED else Weights.GARBAGE
         self._state = EngineState(weights, kv_cache_awake=kv_awake or wake_kv)
+
+    def _make_room(self, tags: list[str]) -> None:
+        """Hand the trainer's cached memory back to the device if waking ``tags`` might not fit beside it.
+
+        vLLM maps its memory through the driver, which fails on a full device, while torch's allocator
+        keeps what training freed. TRL empties that cache before every wake; that costs 4 to 14 ms on
+        the H200 (more, the more training cached) and makes the next training step allocate it again,
+        so the engine does it only when free memory is short of the wake plus a margin.
+        """
+        sizes = self._pool_allocation_bytes()
+        needed = sum(sizes.get(tag, 0) for tag in tags) if sizes else None
+        if needed is None or torch.cuda.mem_get_info()[0] < needed + ACTIVATION_MARGIN_BYTES:
+            torch.cuda.empty_cache()
 
     # --- weights -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -277,20 +289,25 @@ class Engine:
         """
         if not self.sleep_mode or self.llm is None:
             return {}
-        try:
-            from vllm.device_allocator.cumem import CuMemAllocator
-
-            allocations = list(CuMemAllocator.get_instance().pointer_to_data.values())
-            sizes: dict[str, int] = {}
-            for allocation in allocations:
-                sizes[allocation.tag] = sizes.get(allocation.tag, 0) + int(allocation.handle[1])
-        except (ImportError, AttributeError, IndexError, TypeError):
-            return {}
+        sizes = self._pool_allocation_bytes()
         awake = {
             "weights": self._state.weights in (Weights.RESIDENT, Weights.GARBAGE),
             "kv_cache": self._state.kv_cache_awake,
         }
         return {tag: size if awake.get(tag, True) else 0 for tag, size in sizes.items()}
+
+    @staticmethod
+    def _pool_allocation_bytes() -> dict[str, int]:
+        """Bytes of every allocation in vLLM's sleep-mode pool by tag, mapped or not; empty if unreachable."""
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            sizes: dict[str, int] = {}
+            for allocation in list(CuMemAllocator.get_instance().pointer_to_data.values()):
+                sizes[allocation.tag] = sizes.get(allocation.tag, 0) + int(allocation.handle[1])
+        except (ImportError, AttributeError, IndexError, TypeError):
+            return {}
+        return sizes
 
     @property
     def writes_in_place(self) -> bool:
@@ -509,7 +526,7 @@ def _without_vllms_collection() -> Iterator[None]:
     """Skip the full garbage collection that vLLM's sleep-mode allocator runs on every sleep (and wake).
 
     In a training process it costs 5 to 25 ms a step on the H200 (bench/results/), for nothing the
-    engine needs: vLLM's memory is unmapped either way, and the wake empties torch's cache itself.
+    engine needs: vLLM's memory is unmapped either way, and the wake empties torch's cache when short of room.
     Python's own collector still runs as usual.
     """
     module = sys.modules.get("vllm.device_allocator.cumem")

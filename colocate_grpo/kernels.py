@@ -66,7 +66,8 @@ def fused_merged_weight(
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype, device=base.device)
     padded_rank = max(16, triton.next_power_of_2(rank))
-    block_m, block_n = 64, 128
+    # 32 x 128 tiles: 3 to 7% faster than 64 x 128 on the H200, the same bits (bench/merge_kernel_variants.py).
+    block_m, block_n = 32, 128
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
     _merge_kernel[grid](
         base, lora_A, lora_B, out, rows, cols, rank, float(scaling), R=padded_rank, BLOCK_M=block_m, BLOCK_N=block_n

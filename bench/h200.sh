@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device calls after staging vLLM (shared/gpu/README.md). Results go to $OUT (bench/results/ by hand).
-#   bash bench/h200_session3.sh tests        the GPU tests of engine, sync, resume and interrupts; sleep/wake profile
-#   bash bench/h200_session3.sh bench 1.5B   stock TRL against ours at one shape (bench/sync_vs_trl.py)
-#   bash bench/h200_session3.sh push 1.5B    where a sync's push spends its time (bench/profile_push.py)
+#   bash bench/h200.sh tests        the GPU tests of engine, sync, resume and interrupts; sleep/wake profile
+#   bash bench/h200.sh bench 1.5B   stock TRL against ours at one shape (bench/sync_vs_trl.py)
+#   bash bench/h200.sh push 1.5B    where a sync's push spends its time (bench/profile_push.py)
+#   bash bench/h200.sh kernel       merge-kernel variants at both shapes (bench/merge_kernel_variants.py)
 set -u
 export PYTHONPATH=/tmp/gpu-site:$PWD TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}
@@ -27,5 +28,9 @@ bench)
 push)
   timeout 200 python3 bench/profile_push.py "/tmp/sync_vs_trl_models/$2" > "$out/profile_push_$2.txt" 2>&1
   grep -a -v -E "^(INFO|WARNING|\[)" "$out/profile_push_$2.txt" | tail -25
+  ;;
+kernel)
+  (cd bench && timeout 300 python3 merge_kernel_variants.py > "$out/merge_kernel_variants.txt" 2>&1)
+  cat "$out/merge_kernel_variants.txt"
   ;;
 esac
