@@ -3,13 +3,16 @@
 python bench/profile_sleep_wake.py /tmp/sync_vs_trl_models/1.5B    # a model directory (sync_vs_trl.py builds them)
 
 Each cycle: sleep at level 2, then (in the second round) allocate and free 20 GiB of device memory as
-training would (left in torch's cache, then emptied as the engine's wake does), wake the weights,
-wake the KV cache. Prints the median milliseconds of each step and of its parts: vLLM's driver
-calls (map, unmap), its garbage collection (which the engine skips), torch's cache release.
+training would (left in torch's cache, which the engine keeps while the device has room), wake the
+weights, wake the KV cache. Prints the median milliseconds of each step and of its parts: vLLM's
+driver calls (map, unmap), its garbage collection and cache release (which the engine skips), then
+the Python functions one more sleep and wake spend the most time in (cProfile), driver calls aside.
 """
 
 import argparse
+import cProfile
 import gc
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -62,6 +65,16 @@ def main() -> None:
             cycle.clear()
         medians = {k.removesuffix("_s"): 1e3 * statistics.median(v[1:] or v) for k, v in sorted(times.items())}
         print(f"training allocates {train_gib} GiB between:", ", ".join(f"{k} {v:.2f} ms" for k, v in medians.items()))
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(3):
+        engine.sleep(2)
+        engine.wake_up(["weights"])
+        engine.wake_up(["kv_cache"])
+    torch.cuda.synchronize()
+    profile.disable()
+    print("Three sleep and wake cycles, by cumulative time:")
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
     start = time.perf_counter()
     collected = gc.collect()
     print(f"gc.collect in this process: {1e3 * (time.perf_counter() - start):.1f} ms ({collected} collected)")

@@ -90,35 +90,50 @@ def copy_floor_s(model: torch.nn.Module) -> float:
     return min(times)
 
 
-def time_sleep_mode_parts(phases: list[str], totals: dict[str, float]) -> None:
-    """Time where sleep and wake spend their time: vLLM's driver calls, its collection, torch's cache.
+def _timed_part(phases: list[str], totals: dict[str, float], name: str, fn):  # noqa: ANN001, ANN202
+    """``fn`` whose wall seconds are added to ``totals["<phase>.<name>_s"]``, ``phase`` the innermost of
+    ``phases`` (the timed calls in progress); calls outside any phase are not counted."""
 
-    Each call's seconds are added to ``totals["<phase>.<part>_s"]``, ``phase`` being the innermost of
-    ``phases`` (the timed calls in progress); calls outside any phase are not counted.
-    """
+    def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            if phases:
+                key = f"{phases[-1]}.{name}_s"
+                totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+    return wrapper
+
+
+def time_sleep_mode_parts(phases: list[str], totals: dict[str, float]) -> None:
+    """Time where sleep and wake spend their time: vLLM's driver calls, its collection, torch's cache."""
     import gc
     import types
 
     import torch
     from vllm.device_allocator import cumem
 
-    def part(name: str, fn):  # noqa: ANN001, ANN202
-        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                if phases:
-                    key = f"{phases[-1]}.{name}_s"
-                    totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+    cumem.create_and_map = _timed_part(phases, totals, "map", cumem.create_and_map)
+    cumem.unmap_and_release = _timed_part(phases, totals, "unmap", cumem.unmap_and_release)
+    cumem.gc = types.SimpleNamespace(collect=_timed_part(phases, totals, "gc", gc.collect))
+    torch.cuda.empty_cache = _timed_part(phases, totals, "empty_cache", torch.cuda.empty_cache)
+    torch.accelerator.empty_cache = _timed_part(phases, totals, "empty_cache", torch.accelerator.empty_cache)
 
-        return wrapper
 
-    cumem.create_and_map = part("map", cumem.create_and_map)
-    cumem.unmap_and_release = part("unmap", cumem.unmap_and_release)
-    cumem.gc = types.SimpleNamespace(collect=part("gc", gc.collect))
-    torch.cuda.empty_cache = part("empty_cache", torch.cuda.empty_cache)
-    torch.accelerator.empty_cache = part("empty_cache", torch.accelerator.empty_cache)
+def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
+    """Time the Python of colocate_grpo's sync: the push (launches only: the graph replays
+    asynchronously), its graph key, the prefix-cache reset, and the phase clock's reads and waits
+    (a wait there is where the device finishes the push)."""
+    from colocate_grpo import sync, trainer
+    from colocate_grpo.engine import Engine
+    from colocate_grpo.metrics import PhaseClock
+
+    trainer.push_weights = _timed_part(phases, totals, "push", trainer.push_weights)
+    sync._InPlaceWrites._key = _timed_part(phases, totals, "key", sync._InPlaceWrites._key)
+    Engine.reset_prefix_cache = _timed_part(phases, totals, "prefix_reset", Engine.reset_prefix_cache)
+    PhaseClock._allocator_stats = _timed_part(phases, totals, "clock_stats", PhaseClock._allocator_stats)
+    PhaseClock._synchronize = _timed_part(phases, totals, "clock_wait", PhaseClock._synchronize)
 
 
 def pool_layout() -> dict[str, list[int]]:
@@ -236,6 +251,8 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
     if cuda:
         time_sleep_mode_parts(phases, current)
+    if kind != "stock":
+        time_sync_parts(phases, current)
 
     generation = trainer.vllm_generation
     generation.sync_weights = timed("sync", generation.sync_weights)

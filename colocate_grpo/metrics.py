@@ -99,7 +99,8 @@ class PhaseClock:
         finally:
             self._synchronize()
             self._seconds[name] += time.perf_counter() - start
-            self._memory[name] = {**self._peaks(), **self._resident()}
+            stats = self._allocator_stats()
+            self._memory[name] = {**self._peaks(stats), **self._resident(stats)}
             self._reset_peak()
 
     def end_step(self) -> dict[str, float]:
@@ -110,7 +111,7 @@ class PhaseClock:
         metrics["time/train"] = max(0.0, total - engine)
         metrics["time/step"] = total
         metrics["time/engine_share"] = engine / total if total > 0 else 0.0
-        self._memory["train"].update(self._resident())
+        self._memory["train"].update(self._resident(self._allocator_stats()))
         for phase, values in self._memory.items():
             for key, value in values.items():
                 metrics[f"memory/{phase}/{key}"] = value
@@ -120,7 +121,7 @@ class PhaseClock:
         """Fold the peaks since the last phase into ``train`` (the work between engine phases)."""
         self._synchronize()
         train = self._memory.setdefault("train", {})
-        for key, value in self._peaks().items():
+        for key, value in self._peaks(self._allocator_stats()).items():
             train[key] = max(value, train.get(key, 0.0))
         self._reset_peak()
 
@@ -132,20 +133,24 @@ class PhaseClock:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    def _peaks(self) -> dict[str, float]:
+    def _allocator_stats(self) -> dict[str, int]:
+        """torch's allocator statistics, read once per phase boundary (each read builds the whole table)."""
+        return torch.cuda.memory_stats() if self.cuda else {}
+
+    def _peaks(self, stats: dict[str, int]) -> dict[str, float]:
         if not self.cuda:
             return {}
         return {
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+            "peak_allocated_gib": stats.get("allocated_bytes.all.peak", 0) / GIB,
+            "peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / GIB,
         }
 
-    def _resident(self) -> dict[str, float]:
+    def _resident(self, stats: dict[str, int]) -> dict[str, float]:
         pools = {f"vllm_{tag}_gib": size / GIB for tag, size in self.pools().items()}
         if self.cuda:
             free, total = torch.cuda.mem_get_info()
-            used = {"device_used_gib": (total - free) / GIB, "allocated_gib": torch.cuda.memory_allocated() / GIB}
-            return {**used, **pools}
+            allocated = stats.get("allocated_bytes.all.current", 0) / GIB
+            return {"device_used_gib": (total - free) / GIB, "allocated_gib": allocated, **pools}
         return {"rss_gib": psutil.Process().memory_info().rss / GIB, **pools}
 
 
