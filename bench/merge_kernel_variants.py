@@ -1,10 +1,13 @@
-"""Merge-kernel variants on a model's LoRA linears: device time, bandwidth and rounding, to pick one.
+"""Tiles and warps of the fused merge kernel on a model's LoRA linears: device time, bandwidth, rounding.
 
 Every LoRA linear of a Qwen2.5-shaped model (q, k, v, o, gate, up, down of each layer) gets its own
 random W (bf16), A, B (fp32) and output, so that nothing is served from L2 between layers as in a
 real sync. Each variant writes all of them, captured once as a CUDA graph (as the sync replays its
 writes), and is timed over replays. Rounding: the share of entries that differ from the correctly
-rounded bf16(W + s * B @ A) (computed in fp64), and from the current kernel's.
+rounded bf16(W + s * B @ A) (computed in fp64), and from the kernel in use.
+
+At commit 2826713 this script also ran tf32x3 dots, plain FMA loops and another tile order: all
+slower (bench/results/h200-2026-11-29-session4/merge_kernel_variants*.txt).
 
     python bench/merge_kernel_variants.py --shapes 1.5B 7B      # GPU only
 """
@@ -16,84 +19,19 @@ import statistics
 
 import torch
 import triton
-import triton.language as tl
 from shapes import QWEN25
 
-from colocate_grpo.kernels import fused_merged_weight
+from colocate_grpo.kernels import _merge_kernel, fused_merged_weight
 
 
-@triton.jit
-def _variant_kernel(
-    w_ptr,
-    a_ptr,
-    b_ptr,
-    out_ptr,
-    rows,
-    cols,
-    rank,
-    scaling,
-    R: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MODE: tl.constexpr,  # 0: tl.dot ieee, 1: tl.dot tf32x3, 2: rank-1 updates in fp32 FMAs
-    COLUMNS_FIRST: tl.constexpr,  # consecutive programs walk along a row of tiles (contiguous memory)
-):
-    if COLUMNS_FIRST:
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-    else:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < rows
-    mask_n = offs_n < cols
-    if MODE == 2:
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.static_range(R):
-            if k < rank:
-                b_k = tl.load(b_ptr + offs_m * rank + k, mask=mask_m, other=0.0)
-                a_k = tl.load(a_ptr + k * cols + offs_n, mask=mask_n, other=0.0)
-                delta += b_k[:, None] * a_k[None, :]
-    else:
-        offs_r = tl.arange(0, R)
-        b = tl.load(
-            b_ptr + offs_m[:, None] * rank + offs_r[None, :],
-            mask=mask_m[:, None] & (offs_r[None, :] < rank),
-            other=0.0,
-        )
-        a = tl.load(
-            a_ptr + offs_r[:, None] * cols + offs_n[None, :],
-            mask=(offs_r[:, None] < rank) & mask_n[None, :],
-            other=0.0,
-        )
-        delta = tl.dot(b, a, input_precision="ieee") if MODE == 0 else tl.dot(b, a, input_precision="tf32x3")
-    tile = offs_m[:, None] * cols + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    w = tl.load(w_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tile, (w + scaling * delta).to(out_ptr.dtype.element_ty), mask=mask)
+def variant(block_m: int, block_n: int, warps: int):  # noqa: ANN201
+    """The merge kernel of colocate_grpo.kernels launched on other tiles and warps."""
 
-
-def variant(mode: int, block_m: int, block_n: int, warps: int, columns_first: bool):  # noqa: ANN201
     def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, out: torch.Tensor) -> None:
         rows, cols = w.shape
-        tiles_m, tiles_n = triton.cdiv(rows, block_m), triton.cdiv(cols, block_n)
-        grid = (tiles_n, tiles_m) if columns_first else (tiles_m, tiles_n)
-        _variant_kernel[grid](
-            w,
-            a,
-            b,
-            out,
-            rows,
-            cols,
-            a.shape[0],
-            s,
-            R=16,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            MODE=mode,
-            COLUMNS_FIRST=columns_first,
-            num_warps=warps,
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+        _merge_kernel[grid](
+            w, a, b, out, rows, cols, a.shape[0], s, R=16, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
         )
 
     return merge
@@ -110,18 +48,15 @@ def copy(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, out: torch
 VARIANTS = {
     "kernels.fused_merged_weight (in use)": current,
     "copy only (no merge)": copy,
-    "dot ieee 64x128 w4 (before session 4)": variant(0, 64, 128, 4, False),
-    "dot ieee 64x128 w4 cols-first": variant(0, 64, 128, 4, True),
-    "dot ieee 64x128 w8": variant(0, 64, 128, 8, False),
-    "dot ieee 32x128 w4": variant(0, 32, 128, 4, False),
-    "dot ieee 32x128 w2": variant(0, 32, 128, 2, False),
-    "dot ieee 32x64 w4": variant(0, 32, 64, 4, False),
-    "dot ieee 16x128 w4": variant(0, 16, 128, 4, False),
-    "dot ieee 32x256 w8": variant(0, 32, 256, 8, False),
-    "dot ieee 64x64 w4": variant(0, 64, 64, 4, False),
-    "dot ieee 128x128 w8": variant(0, 128, 128, 8, False),
-    "dot tf32x3 128x128 w8 cols-first": variant(1, 128, 128, 8, True),
-    "fma 16x256 w4 cols-first": variant(2, 16, 256, 4, True),
+    "64x128 w4 (before session 4)": variant(64, 128, 4),
+    "64x128 w8": variant(64, 128, 8),
+    "32x128 w4": variant(32, 128, 4),
+    "32x128 w2": variant(32, 128, 2),
+    "32x64 w4": variant(32, 64, 4),
+    "16x128 w4": variant(16, 128, 4),
+    "32x256 w8": variant(32, 256, 8),
+    "64x64 w4": variant(64, 64, 4),
+    "128x128 w8": variant(128, 128, 8),
 }
 
 
