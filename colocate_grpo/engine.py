@@ -237,7 +237,7 @@ class Engine:
         """Hand the trainer's cached memory back to the device if waking ``tags`` might not fit beside it.
 
         vLLM maps its memory through the driver, which fails on a full device, while torch's allocator
-        keeps what training freed. TRL empties that cache before every wake; that costs 4 to 14 ms on
+        keeps what training freed. TRL empties that cache before every wake; that costs 4 to 17 ms on
         the H200 (more, the more training cached) and makes the next training step allocate it again,
         so the engine does it only when free memory is short of the wake plus a margin.
         """
@@ -526,7 +526,7 @@ def _without_vllms_cleanup() -> Iterator[None]:
     """Skip the full garbage collection and the emptying of torch's cache that vLLM's sleep runs.
 
     vLLM's sleep-mode allocator does both on every sleep. In a training process the collection costs
-    5 to 25 ms a step on the H200, and emptying the cache 8 to 17 ms, more the more training
+    5 to 25 ms a step on the H200, and emptying the cache 4 to 17 ms, more the more training
     cached, and makes the next training step allocate it all again (bench/results/). The engine
     needs neither: vLLM's memory is unmapped either way, and a wake empties the cache itself when
     the device is short of room. Python's own collector still runs as usual.
