@@ -11,7 +11,7 @@ mkdir -p "$out"
 case $1 in
 tests)
   # Two processes: vLLM allows one sleep-mode engine per process, and test_engine.py builds its own.
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py > "$out/h200_pytest_engine.txt" 2>&1
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py > "$out/h200_pytest_engine.txt" 2>&1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_sync.py tests/test_end_to_end.py \
     tests/test_interrupts.py > "$out/h200_pytest.txt" 2>&1
   tail -3 "$out/h200_pytest_engine.txt" "$out/h200_pytest.txt"
