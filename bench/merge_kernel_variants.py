@@ -15,10 +15,10 @@ slower (bench/results/h200-2026-11-29-session4/merge_kernel_variants*.txt).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
+from profile_push import median_ms
 from shapes import QWEN25
 
 from colocate_grpo.kernels import _merge_kernel, fused_merged_weight
@@ -122,18 +122,6 @@ def measure(shapes: list[tuple[int, int]]) -> str:
     ]
     lines += [f"| {name} | {ms:.3f} | {nbytes / ms / 1e6:.0f} | {a} | {b} |" for name, ms, a, b in rows]
     return "\n".join(lines)
-
-
-def median_ms(fn, repeats: int = 20) -> float:  # noqa: ANN001
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 if __name__ == "__main__":

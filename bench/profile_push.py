@@ -9,6 +9,7 @@ import time
 
 import torch
 from peft import LoraConfig, get_peft_model
+from sync_vs_trl import copy_floor_s
 from transformers import AutoModelForCausalLM
 
 from colocate_grpo import sync
@@ -59,8 +60,7 @@ def main() -> None:
     # Whether the driver still works on freshly mapped memory (scrubbing it) when the wake returns.
     settled = asleep_then(lambda: sync.push_weights(model, engine), settle_s=0.2)
     views = median_ms(lambda: engine.parameter_views({s.name: tuple(s.param.shape) for s in sources}))
-    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    floor = median_ms(lambda: torch.empty_like(source).copy_(source))
+    floor = 1e3 * copy_floor_s(model)
     print(f"{len(sources)} tensors, {nbytes / 2**30:.2f} GiB; copy floor (read + write once) {floor:.2f} ms")
     print(f"level-2 sleep + wake of the weights {sleep_wake:.2f} ms")
     print(f"push, eager with retained-update statistics {eager:.2f} ms; push, CUDA graph {graph:.2f} ms")

@@ -209,7 +209,7 @@ class Engine:
         if self.sleep_mode:
             if not self._state.kv_cache_awake:
                 # vLLM ignores sleep() unless every tag is awake (its weights would stay mapped): wake the rest.
-                llm.wake_up(tags=["kv_cache"])
+                self.wake_up(["kv_cache"])
             with _without_vllms_cleanup():
                 llm.sleep(level=level)
         self._state = EngineState(Weights.OFFLOADED if level == 1 else Weights.DISCARDED, kv_cache_awake=False)
@@ -227,8 +227,7 @@ class Engine:
         if self.sleep_mode and (wake_weights or wake_kv):
             waking = [t for t, on in (("weights", wake_weights), ("kv_cache", wake_kv)) if on]
             self._make_room(waking)
-            with _without_vllms_cleanup():
-                llm.wake_up(tags=waking)
+            llm.wake_up(tags=waking)
         if wake_weights:
             weights = Weights.RESIDENT if weights is Weights.OFFLOADED else Weights.GARBAGE
         self._state = EngineState(weights, kv_cache_awake=kv_awake or wake_kv)
@@ -549,7 +548,7 @@ _NO_COLLECTION = types.SimpleNamespace(collect=lambda *_: 0)
 
 
 def _keep_cache() -> None:
-    """Stands in for ``torch.cuda.empty_cache`` while vLLM sleeps or wakes."""
+    """Stands in for ``torch.cuda.empty_cache`` while vLLM sleeps."""
 
 
 @contextlib.contextmanager

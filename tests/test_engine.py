@@ -135,11 +135,16 @@ def _cached_but_free() -> int:
     return torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
 
 
+def _leave_in_torchs_cache(nbytes: int) -> None:
+    """Allocate and free ``nbytes`` on the device, as training's activations are: torch's allocator keeps them."""
+    freed = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    del freed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode (and a caching allocator) on GPUs only")
 def test_waking_keeps_the_trainers_cached_memory_when_the_device_has_room(engine):
     engine.sleep(2)
-    freed_activations = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-    del freed_activations  # cached by torch's allocator, as training's activations are
+    _leave_in_torchs_cache(2**28)
     before = _cached_but_free()
     engine.wake_up(["weights"])
     assert _cached_but_free() >= before  # the next training step reuses it instead of allocating again
@@ -148,8 +153,7 @@ def test_waking_keeps_the_trainers_cached_memory_when_the_device_has_room(engine
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode (and a caching allocator) on GPUs only")
 def test_sleeping_keeps_the_trainers_cached_memory(engine):
     engine.wake_up()
-    freed_activations = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-    del freed_activations
+    _leave_in_torchs_cache(2**28)
     before = _cached_but_free()
     engine.sleep(2)  # vLLM's own sleep would empty torch's cache
     assert _cached_but_free() >= before
@@ -159,8 +163,7 @@ def test_sleeping_keeps_the_trainers_cached_memory(engine):
 def test_waking_hands_the_trainers_cached_memory_back_when_the_device_is_short(engine):
     engine.sleep(2)
     filler_bytes = torch.cuda.mem_get_info()[0] - 2**30  # leaves less than the wake's margin free
-    filler = torch.empty(filler_bytes, dtype=torch.uint8, device="cuda")
-    del filler
+    _leave_in_torchs_cache(filler_bytes)
     before = _cached_but_free()
     engine.wake_up()
     assert _cached_but_free() <= before - filler_bytes
