@@ -73,6 +73,26 @@ def main() -> None:
     kernels = median_ms(lambda: writes._write(True, None))
     print(f"graph replay alone {replay:.2f} ms; the same writes launched eagerly {kernels:.2f} ms")
     print(f"the graph's key (Python, every sync) {key:.2f} ms")
+
+    # Whether the KV cache's wake (driver calls on the CPU) can run while the push's graph replays.
+    def push_then_wake_kv(wait_for_push: bool) -> None:
+        sync.push_weights(model, engine)
+        if wait_for_push:
+            torch.cuda.synchronize()
+        engine.wake_up(["kv_cache"])
+
+    serial = asleep_then(lambda: push_then_wake_kv(True))
+    overlapped = asleep_then(lambda: push_then_wake_kv(False))
+    print(f"push, then the KV cache's wake: in turn {serial:.2f} ms, the wake during the replay {overlapped:.2f} ms")
+    engine.wake_up()
+    boundary = {
+        "torch.cuda.memory_stats": torch.cuda.memory_stats,
+        "torch.cuda.mem_get_info": torch.cuda.mem_get_info,
+        "torch.cuda.reset_peak_memory_stats": torch.cuda.reset_peak_memory_stats,
+        "Engine.pool_bytes": engine.pool_bytes,
+        "Engine.reset_prefix_cache": engine.reset_prefix_cache,
+    }
+    print("per call, ms:", ", ".join(f"{name} {median_ms(fn, repeats=20):.3f}" for name, fn in boundary.items()))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         writes._write(True, None)
         torch.cuda.synchronize()

@@ -5,9 +5,11 @@ and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-
 ``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch. Each
 (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per process.
 The driver builds each shape's random-weight model once, runs both trainers, and prints a table
-with ratios (colocate_grpo / stock TRL): step time, sync time (the weights' wake and the push)
-and the push alone, overhead share (sleep + wake + sync over the step), device memory after each
-phase, mean |logp_vLLM - logp_trainer| and the base weights' drift after the run.
+with ratios (colocate_grpo / stock TRL): step time, sync time (the weights' wake and the push;
+ours also wakes the KV cache there, while the device writes) and the push alone (ours timed on the
+device, from its call until the weights are written; stock's is the sync less its wake), overhead
+share (sleep + wake + sync over the step), device memory after each phase, mean
+|logp_vLLM - logp_trainer| and the base weights' drift after the run.
 
     python bench/sync_vs_trl.py --shapes 1.5B --out bench/results/sync_vs_trl_1.5B.json   # GPU
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
@@ -136,6 +138,32 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     PhaseClock._synchronize = _timed_part(phases, totals, "clock_wait", PhaseClock._synchronize)
 
 
+def time_push_on_device(pushes: list) -> None:
+    """Record CUDA events around colocate_grpo's push, into ``pushes``: from its call until the device has
+    written the weights. Its wall time cannot show that, as the KV cache's wake runs during the writes."""
+    import torch
+
+    from colocate_grpo import trainer
+
+    push = trainer.push_weights
+
+    def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return push(*a, **k)
+        finally:
+            end.record()
+            pushes.append((start, end))
+
+    trainer.push_weights = wrapper
+
+
+def push_s(timings: dict[str, float]) -> float:
+    """Seconds of a sync's push: device-timed for ours; for stock TRL the sync less its wake of the weights."""
+    return timings["push_s"] if "push_s" in timings else timings.get("sync_s", 0.0) - timings.get("sync_wake_s", 0.0)
+
+
 def pool_layout() -> dict[str, list[int]]:
     """vLLM's sleep-mode allocations: count and GiB per tag."""
     from vllm.device_allocator.cumem import CuMemAllocator
@@ -229,7 +257,10 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
     def timed(name: str, fn):  # noqa: ANN001, ANN202
         def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            if cuda:
+            # Calls made inside another (a wake inside a sync) are not synchronized: ours wakes the KV cache
+            # while the device writes the weights, and waiting would undo that.
+            outermost = not phases
+            if cuda and outermost:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             phases.append(name)
@@ -237,13 +268,13 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
                 return fn(*a, **k)
             finally:
                 phases.pop()
-                if cuda:
+                if cuda and outermost:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start
                 current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + elapsed
-                if name == "wake" and phases:  # the sync's own wake of the weights
+                if name == "wake" and not outermost and (a[0] if a else k.get("tags")) == ["weights"]:
                     current["sync_wake_s"] = current.get("sync_wake_s", 0.0) + elapsed
-                if not phases and name != "generate":  # a wake inside a sync counts once
+                if outermost and name != "generate":  # a wake inside a sync counts once
                     current["overhead_s"] = current.get("overhead_s", 0.0) + elapsed
                 current[f"{name}_device_gib"] = max(current.get(f"{name}_device_gib", 0.0), device_used_gib())
 
@@ -251,8 +282,17 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
     if cuda:
         time_sleep_mode_parts(phases, current)
+    pushes: list = []
     if kind != "stock":
         time_sync_parts(phases, current)
+        if cuda:
+            time_push_on_device(pushes)
+
+    def add_push_s() -> None:
+        """Move the pushes' device-timed seconds into ``current["push_s"]`` (the device synchronized)."""
+        for start, end in pushes:
+            current["push_s"] = current.get("push_s", 0.0) + start.elapsed_time(end) / 1e3
+        pushes.clear()
 
     generation = trainer.vllm_generation
     generation.sync_weights = timed("sync", generation.sync_weights)
@@ -270,6 +310,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             current["step_s"] = time.perf_counter() - current.pop("start")
+            add_push_s()
             current["train_device_gib"] = device_used_gib()
             step_log.append(dict(current))
 
@@ -297,8 +338,9 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
         generation.llm.sleep(level=2)
         current.clear()
         generation.sync_weights()
+        add_push_s()
         repeat_sync_s.append(current["sync_s"])
-        repeat_push_s.append(current["sync_s"] - current.get("sync_wake_s", 0.0))
+        repeat_push_s.append(push_s(current))
 
     def median(key: str) -> float:
         values = [s.get(key, 0.0) for s in measured]
@@ -313,7 +355,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
         "steps": step_log,
         "step_s": median("step_s"),
         "sync_s": median("sync_s"),
-        "loop_push_s": statistics.median(s.get("sync_s", 0.0) - s.get("sync_wake_s", 0.0) for s in measured),
+        "loop_push_s": statistics.median(push_s(s) for s in measured),
         "repeat_sync_s": statistics.median(repeat_sync_s),
         "repeat_push_s": statistics.median(repeat_push_s),
         "copy_floor_s": floor_s,

