@@ -123,6 +123,24 @@ def time_sleep_mode_parts(phases: list[str], totals: dict[str, float]) -> None:
     torch.accelerator.empty_cache = _timed_part(phases, totals, "empty_cache", torch.accelerator.empty_cache)
 
 
+def time_gc_pauses(phases: list[str], totals: dict[str, float]) -> None:
+    """Time Python's garbage collections inside the timed calls, as ``totals["<phase>.gc_pause_s"]``."""
+    import gc
+
+    started: list[float] = []
+
+    def on_collection(event: str, _: dict) -> None:
+        if event == "start":
+            started.append(time.perf_counter())
+        elif started:
+            seconds = time.perf_counter() - started.pop()
+            if phases:
+                key = f"{phases[-1]}.gc_pause_s"
+                totals[key] = totals.get(key, 0.0) + seconds
+
+    gc.callbacks.append(on_collection)
+
+
 def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     """Time the Python of colocate_grpo's sync: the push (launches only: the graph replays
     asynchronously), its graph key, the prefix-cache reset, and the phase clock's reads and waits
@@ -282,6 +300,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
 
     if cuda:
         time_sleep_mode_parts(phases, current)
+    time_gc_pauses(phases, current)
     pushes: list = []
     if kind != "stock":
         time_sync_parts(phases, current)

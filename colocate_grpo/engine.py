@@ -230,15 +230,12 @@ class Engine:
             self._buffer_owners = [(m, name) for m in self.model.modules() for name in m._buffers]
         buffers = [m._buffers[name] for m, name in self._buffer_owners if m._buffers.get(name) is not None]
         copies = [torch.empty_like(buffer) for buffer in buffers]
-        if buffers:
-            torch._foreach_copy_(copies, buffers)
+        _copy_all(copies, buffers)
         return buffers, copies
 
     def _restore_buffers(self) -> None:
         """Write the buffers saved at a level-2 sleep back, once the weights' memory is mapped again."""
-        buffers, copies = self._saved_buffers
-        if buffers:
-            torch._foreach_copy_(buffers, copies)
+        _copy_all(*self._saved_buffers)
         self._saved_buffers = ([], [])
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -574,6 +571,18 @@ def _without_vllms_cleanup() -> Iterator[None]:
 
 
 _NO_COLLECTION = types.SimpleNamespace(collect=lambda *_: 0)
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``target.copy_(source)`` for each pair, a few launches in all: one per dtype (torch's fused copy
+    falls back to a launch per tensor when the dtypes in one call differ)."""
+    by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for target, source in zip(targets, sources, strict=True):
+        group = by_dtype.setdefault(source.dtype, ([], []))
+        group[0].append(target)
+        group[1].append(source)
+    for group_targets, group_sources in by_dtype.values():
+        torch._foreach_copy_(group_targets, group_sources)
 
 
 @contextlib.contextmanager
