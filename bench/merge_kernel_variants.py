@@ -7,7 +7,9 @@ writes), and is timed over replays. Rounding: the share of entries that differ f
 rounded bf16(W + s * B @ A) (computed in fp64), and from the kernel in use.
 
 At commit 2826713 this script also ran tf32x3 dots, plain FMA loops and another tile order: all
-slower (bench/results/h200-2026-11-29-session4/merge_kernel_variants*.txt).
+slower (bench/results/h200-2026-11-29-session4/merge_kernel_variants*.txt). At 2351c66 it ran the
+kernel with W's load issued before the rank-r product, with and without streaming cache hints: 10
+to 13% slower (bench/results/h200-2026-12-01-session5/merge_kernel_variants.txt).
 
     python bench/merge_kernel_variants.py --shapes 1.5B 7B      # GPU only
 """
@@ -18,7 +20,6 @@ import argparse
 
 import torch
 import triton
-import triton.language as tl
 from profile_push import median_ms
 from shapes import QWEN25
 
@@ -38,51 +39,6 @@ def variant(block_m: int, block_n: int, warps: int):  # noqa: ANN201
     return merge
 
 
-@triton.jit
-def _merge_kernel_w_first(
-    w_ptr, a_ptr, b_ptr, out_ptr, rows, cols, rank, scaling, R: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, STREAM: tl.constexpr,
-):  # fmt: skip
-    """kernels._merge_kernel with W's load issued before the rank-r product (and, with STREAM, W and the
-    output marked as streamed through the cache once): the same arithmetic, so the same bits."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, R)
-    mask_m = offs_m < rows
-    mask_n = offs_n < cols
-    tile = offs_m[:, None] * cols + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if STREAM:
-        w = tl.load(w_ptr + tile, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_ptr + tile, mask=mask, other=0.0)
-    b = tl.load(
-        b_ptr + offs_m[:, None] * rank + offs_r[None, :], mask=mask_m[:, None] & (offs_r[None, :] < rank), other=0.0
-    )
-    a = tl.load(
-        a_ptr + offs_r[:, None] * cols + offs_n[None, :], mask=(offs_r[:, None] < rank) & mask_n[None, :], other=0.0
-    )
-    delta = tl.dot(b, a, input_precision="ieee")
-    merged = (w.to(tl.float32) + scaling * delta).to(out_ptr.dtype.element_ty)
-    if STREAM:
-        tl.store(out_ptr + tile, merged, mask=mask, cache_modifier=".cs")
-    else:
-        tl.store(out_ptr + tile, merged, mask=mask)
-
-
-def w_first(stream: bool):  # noqa: ANN201
-    def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, out: torch.Tensor) -> None:
-        rows, cols = w.shape
-        grid = (triton.cdiv(rows, 32), triton.cdiv(cols, 128))
-        _merge_kernel_w_first[grid](
-            w, a, b, out, rows, cols, a.shape[0], s, R=16, BLOCK_M=32, BLOCK_N=128, STREAM=stream, num_warps=4
-        )
-
-    return merge
-
-
 def current(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, out: torch.Tensor) -> None:
     fused_merged_weight(w, a, b, s, torch.bfloat16, out=out)
 
@@ -94,8 +50,6 @@ def copy(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, out: torch
 VARIANTS = {
     "kernels.fused_merged_weight (in use)": current,
     "copy only (no merge)": copy,
-    "32x128 w4, W loaded first": w_first(stream=False),
-    "32x128 w4, W loaded first, streamed": w_first(stream=True),
     "64x128 w4 (before session 4)": variant(64, 128, 4),
     "64x128 w8": variant(64, 128, 8),
     "32x128 w4": variant(32, 128, 4),
