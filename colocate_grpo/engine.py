@@ -210,9 +210,8 @@ class Engine:
         if not self._state.kv_cache_awake and self._state.weights in (Weights.OFFLOADED, Weights.DISCARDED):
             return
         if self.sleep_mode:
-            if not self._state.kv_cache_awake:
-                # vLLM ignores sleep() unless every tag is awake (its weights would stay mapped): wake the rest.
-                self.wake_up(["kv_cache"])
+            # vLLM ignores sleep() unless every tag is awake (the rest would stay mapped): wake what sleeps.
+            self.wake_up()
             if level == 2:
                 self._saved_buffers = self._save_buffers()
             with _without_vllms_cleanup(), _buffers_hidden(self.model if level == 2 else None):

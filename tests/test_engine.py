@@ -196,6 +196,17 @@ def test_sleeping_with_only_the_weights_awake_frees_them(engine):
     assert torch.cuda.mem_get_info()[0] >= asleep
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode on GPUs only")
+def test_sleeping_with_only_the_kv_cache_awake_frees_it(engine):
+    engine.sleep(2)
+    asleep = torch.cuda.mem_get_info()[0]
+    engine.wake_up(["kv_cache"])
+    assert torch.cuda.mem_get_info()[0] < asleep
+    engine.sleep(2)
+    assert torch.cuda.mem_get_info()[0] >= asleep
+    assert engine.state.weights is Weights.DISCARDED
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM 0.26 allows one sleep-mode engine per GPU process")
 def test_a_new_engine_closes_the_old_one_and_closed_engines_refuse(engine_and_rng):
     # Last in this module: one engine per process, so this closes the module's engine.
