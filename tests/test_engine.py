@@ -186,25 +186,16 @@ def test_waking_hands_the_trainers_cached_memory_back_when_the_device_is_short(e
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode on GPUs only")
-def test_sleeping_with_only_the_weights_awake_frees_them(engine):
-    """vLLM ignores sleep() while part of it sleeps; the engine must still give the weights' memory back."""
+@pytest.mark.parametrize("awake", ["weights", "kv_cache"])
+def test_sleeping_with_one_part_awake_frees_it(engine, awake):
+    """vLLM ignores sleep() while part of it sleeps; the engine must still give the awake part's memory back."""
     engine.sleep(2)
     asleep = torch.cuda.mem_get_info()[0]
-    engine.wake_up(["weights"])
+    engine.wake_up([awake])
     assert torch.cuda.mem_get_info()[0] < asleep
     engine.sleep(2)
     assert torch.cuda.mem_get_info()[0] >= asleep
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="sleep mode on GPUs only")
-def test_sleeping_with_only_the_kv_cache_awake_frees_it(engine):
-    engine.sleep(2)
-    asleep = torch.cuda.mem_get_info()[0]
-    engine.wake_up(["kv_cache"])
-    assert torch.cuda.mem_get_info()[0] < asleep
-    engine.sleep(2)
-    assert torch.cuda.mem_get_info()[0] >= asleep
-    assert engine.state.weights is Weights.DISCARDED
+    assert engine.state.weights is Weights.DISCARDED and not engine.state.kv_cache_awake
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM 0.26 allows one sleep-mode engine per GPU process")
