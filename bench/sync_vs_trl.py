@@ -143,13 +143,15 @@ def time_gc_pauses(phases: list[str], totals: dict[str, float]) -> None:
 
 def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     """Time the Python of colocate_grpo's sync: the push (launches only: the graph replays
-    asynchronously), its graph key and the key's reads of the LoRA layers, the prefix-cache reset,
+    asynchronously), the check of the graph's addresses before a replay, its key (read during the
+    replay) and the key's reads of the LoRA layers, the prefix-cache reset,
     and the phase clock's reads and waits (a wait there is where the device finishes the push)."""
     from colocate_grpo import sync, trainer
     from colocate_grpo.engine import Engine
     from colocate_grpo.metrics import PhaseClock
 
     trainer.push_weights = _timed_part(phases, totals, "push", trainer.push_weights)
+    sync._Capture.reads_same_memory = _timed_part(phases, totals, "addresses", sync._Capture.reads_same_memory)
     sync._InPlaceWrites._key = _timed_part(phases, totals, "key", sync._InPlaceWrites._key)
     sync.lora_factors = _timed_part(phases, totals, "key_lora_factors", sync.lora_factors)  # the key's PEFT half
     Engine.reset_prefix_cache = _timed_part(phases, totals, "prefix_reset", Engine.reset_prefix_cache)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from peft.tuners.lora import LoraLayer
 from vllm import SamplingParams
 
 import colocate_grpo.sync as sync
@@ -66,13 +67,14 @@ def test_an_interrupted_sync_blocks_generation_until_the_next_sync_repairs_it(tr
 def test_frozen_weights_are_sent_only_when_the_engine_lost_them(trainer, monkeypatch, level, expected):
     engine = trainer.engine
     push_weights(trainer.model, engine)
-    sent, value = [], sync._Source.value
+    sent, to_send = [], sync._to_send
 
-    def recording(source, stats, out=None):
-        sent.append(source.name)
-        return value(source, stats, out)
+    def recording(sources, include_frozen):
+        chosen = list(to_send(sources, include_frozen))
+        sent.extend(source.name for source in chosen)
+        return iter(chosen)
 
-    monkeypatch.setattr(sync._Source, "value", recording)
+    monkeypatch.setattr(sync, "_to_send", recording)
     engine.sleep(level)
     push_weights(trainer.model, engine, RetainedUpdate())  # eager, not a CUDA graph's replay, so it is seen
     monkeypatch.undo()
@@ -145,3 +147,33 @@ def test_an_interrupted_in_place_sync_blocks_generation_until_the_next_sync_repa
         engine.generate([{"prompt_token_ids": [20, 11, 21, 29]}], SamplingParams(max_tokens=2))
     push_weights(trainer.model, engine)
     assert served_weight_mismatches(trainer.model, engine) == []
+
+
+@gpu_only
+def test_a_replayed_sync_serves_every_change_of_the_adapters(trainer):
+    """The graph is replayed before the adapters' state is read: every change must still be served bitwise."""
+    engine, model = trainer.engine, trainer.model
+    layer = next(m for m in model.modules() if isinstance(m, LoraLayer))
+    adapter = layer.active_adapters[0]
+    lora_B, scaling = layer.lora_B[adapter].weight, layer.scaling[adapter]
+
+    def served_after_a_level_2_sleep():
+        engine.sleep(2)
+        push_weights(model, engine)
+        return served_weight_mismatches(model, engine)
+
+    changes = {
+        "an optimizer step (in place)": lambda: lora_B.data.add_(1e-2),
+        "new memory for a factor": lambda: setattr(lora_B, "data", lora_B.data + 1e-2),
+        "a new scaling": lambda: layer.scaling.__setitem__(adapter, 2 * scaling),
+        "adapters off": model.base_model.disable_adapter_layers,
+        "adapters on": model.base_model.enable_adapter_layers,
+    }
+    try:
+        assert served_after_a_level_2_sleep() == served_after_a_level_2_sleep() == []  # eager, then a capture
+        for change, make in changes.items():
+            make()
+            assert served_after_a_level_2_sleep() == [], change
+    finally:
+        layer.scaling[adapter] = scaling
+        model.base_model.enable_adapter_layers()
