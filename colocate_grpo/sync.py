@@ -93,6 +93,17 @@ def _to_send(sources: list[_Source], include_frozen: bool) -> Iterator[_Source]:
 _BATCHED_COPY_BYTES = 2**20
 
 
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)``; on CUDA by a kernel where it can, as replays of copy_ were slower (kernels.py)."""
+    same_layout = source.dtype == target.dtype and source.is_contiguous() and target.is_contiguous()
+    if target.is_cuda and source.device == target.device and same_layout:
+        from colocate_grpo.kernels import copy_by_kernel
+
+        copy_by_kernel(target, source)
+    else:
+        target.copy_(source)
+
+
 @dataclass(frozen=True)
 class _Capture:
     """A captured CUDA graph, what it was captured for, and the tensors it reads at their addresses then."""
@@ -146,11 +157,13 @@ class _InPlaceWrites:
         small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for source in _to_send(self.sources, include_frozen):
             view = self.views[source.name]
-            if source.layer is None and source.param.nbytes < _BATCHED_COPY_BYTES:
+            if source.layer is not None:
+                source.value(stats, out=view.rows)
+            elif source.param.nbytes < _BATCHED_COPY_BYTES:
                 small[0].append(view.rows)
                 small[1].append(source.param)
             else:
-                source.value(stats, out=view.rows)
+                _copy(view.rows, source.param)
             if view.padding is not None:
                 view.padding.zero_()
         if small[0]:

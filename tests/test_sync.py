@@ -177,3 +177,13 @@ def test_a_replayed_sync_serves_every_change_of_the_adapters(trainer):
     finally:
         layer.scaling[adapter] = scaling
         model.base_model.enable_adapter_layers()
+
+
+@gpu_only
+@pytest.mark.parametrize(("dtype", "bits"), [(torch.bfloat16, torch.int16), (torch.float32, torch.int32)])
+def test_large_frozen_tensors_are_copied_bitwise(dtype, bits):
+    source = torch.randn(3000, 1001, device="cuda").to(dtype)  # not a multiple of the copy kernel's block
+    source[0, :3] = torch.tensor([-0.0, float("nan"), float("inf")])
+    target = torch.empty_like(source)
+    sync._copy(target, source)
+    assert torch.equal(target.view(bits), source.view(bits))
