@@ -25,6 +25,17 @@ def hf_name(peft_name: str) -> str:
     return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
+def _copy(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``target.copy_(source)``; on CUDA by a kernel where it can, as replays of copy_ were slower (kernels.py)."""
+    same_layout = source.dtype == target.dtype and source.is_contiguous() and target.is_contiguous()
+    if target.is_cuda and source.device == target.device and same_layout:
+        from colocate_grpo.kernels import copy_by_kernel
+
+        copy_by_kernel(target, source)
+        return target
+    return target.copy_(source)
+
+
 @dataclass(frozen=True)
 class _Source:
     """One tensor the engine needs: the trainer's parameter, and the LoRA layer merged into it, if any."""
@@ -41,7 +52,7 @@ class _Source:
         """The tensor to serve (written into ``out`` when given), LoRA merged in when active."""
         factors = lora_factors(self.layer) if self.layer is not None else None
         if factors is None:
-            return self.param.detach() if out is None else out.copy_(self.param)
+            return self.param.detach() if out is None else _copy(out, self.param)
         lora_A, lora_B, scaling = factors
         merged = merged_weight(self.param, lora_A, lora_B, scaling, getattr(self.layer, "merge_dtype", None), out=out)
         if stats is not None:
@@ -93,17 +104,6 @@ def _to_send(sources: list[_Source], include_frozen: bool) -> Iterator[_Source]:
 _BATCHED_COPY_BYTES = 2**20
 
 
-def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)``; on CUDA by a kernel where it can, as replays of copy_ were slower (kernels.py)."""
-    same_layout = source.dtype == target.dtype and source.is_contiguous() and target.is_contiguous()
-    if target.is_cuda and source.device == target.device and same_layout:
-        from colocate_grpo.kernels import copy_by_kernel
-
-        copy_by_kernel(target, source)
-    else:
-        target.copy_(source)
-
-
 @dataclass(frozen=True)
 class _Capture:
     """A captured CUDA graph, what it was captured for, and the tensors it reads at their addresses then."""
@@ -114,6 +114,7 @@ class _Capture:
     addresses: list[int]
 
     def reads_same_memory(self, include_frozen: bool) -> bool:
+        """Whether a replay now reads the tensors it was captured with (the key's first item is include_frozen)."""
         return include_frozen == self.key[0] and list(map(torch.Tensor.data_ptr, self.reads)) == self.addresses
 
 
@@ -157,13 +158,11 @@ class _InPlaceWrites:
         small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for source in _to_send(self.sources, include_frozen):
             view = self.views[source.name]
-            if source.layer is not None:
-                source.value(stats, out=view.rows)
-            elif source.param.nbytes < _BATCHED_COPY_BYTES:
+            if source.layer is None and source.param.nbytes < _BATCHED_COPY_BYTES:
                 small[0].append(view.rows)
                 small[1].append(source.param)
             else:
-                _copy(view.rows, source.param)
+                source.value(stats, out=view.rows)
             if view.padding is not None:
                 view.padding.zero_()
         if small[0]:
