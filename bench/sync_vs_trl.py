@@ -155,7 +155,7 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
 
     trainer.push_weights = _timed_part(phases, totals, "push", trainer.push_weights)
     sync._Capture.reads_same_memory = _timed_part(phases, totals, "addresses", sync._Capture.reads_same_memory)
-    sync._InPlaceWrites._key = _timed_part(phases, totals, "key", sync._InPlaceWrites._key)
+    sync._InPlaceWrites._adapters_key = _timed_part(phases, totals, "key", sync._InPlaceWrites._adapters_key)
     sync.lora_factors = _timed_part(phases, totals, "key_lora_factors", sync.lora_factors)  # the key's PEFT half
     Engine.reset_prefix_cache = _timed_part(phases, totals, "prefix_reset", Engine.reset_prefix_cache)
     PhaseClock._allocator_stats = _timed_part(phases, totals, "clock_stats", PhaseClock._allocator_stats)

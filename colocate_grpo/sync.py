@@ -109,13 +109,14 @@ class _Capture:
     """A captured CUDA graph, what it was captured for, and the tensors it reads at their addresses then."""
 
     graph: torch.cuda.CUDAGraph
-    key: tuple
+    include_frozen: bool
+    adapters: tuple  # _InPlaceWrites._adapters_key() at the capture
     reads: list[torch.Tensor]
     addresses: list[int]
 
     def reads_same_memory(self, include_frozen: bool) -> bool:
-        """Whether a replay now reads the tensors it was captured with (the key's first item is include_frozen)."""
-        return include_frozen == self.key[0] and list(map(torch.Tensor.data_ptr, self.reads)) == self.addresses
+        """Whether a replay now writes what it was captured for, reading the same memory."""
+        return include_frozen == self.include_frozen and list(map(torch.Tensor.data_ptr, self.reads)) == self.addresses
 
 
 class _InPlaceWrites:
@@ -140,14 +141,10 @@ class _InPlaceWrites:
         self.cuda = next(iter(views.values())).rows.is_cuda
         self.capture: _Capture | None = None
 
-    def _key(self, include_frozen: bool) -> tuple:
-        """What a captured graph depends on: which tensors it reads, at which addresses, and the scalings."""
+    def _adapters_key(self) -> tuple:
+        """Which LoRA factors the model reads now, at which addresses, and with which scalings."""
         factors = [lora_factors(layer) for layer in self.layers]
-        return (
-            include_frozen,
-            tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors),
-            tuple(s.param.data_ptr() for s in self.sources),
-        )
+        return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)
 
     def _reads(self) -> list[torch.Tensor]:
         """Every tensor a write reads: the trainer's parameters and the active LoRA factors."""
@@ -175,18 +172,20 @@ class _InPlaceWrites:
             return
         if self.capture is not None and self.capture.reads_same_memory(include_frozen):
             self.capture.graph.replay()
-            key = self._key(include_frozen)  # read while the device writes
-            if key == self.capture.key:
+            # The replay read the captured tensors; whether they are still the model's adapters is read
+            # while the device writes (the trainer's parameters were among the addresses just checked).
+            adapters = self._adapters_key()
+            if adapters == self.capture.adapters:
                 return
         else:
-            key = self._key(include_frozen)
+            adapters = self._adapters_key()
         self._write(include_frozen, None)  # also compiles the merge kernel before its capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._write(include_frozen, None)
         reads = self._reads()
         # Only a completed capture is ever replayed.
-        self.capture = _Capture(graph, key, reads, list(map(torch.Tensor.data_ptr, reads)))
+        self.capture = _Capture(graph, include_frozen, adapters, reads, list(map(torch.Tensor.data_ptr, reads)))
 
 
 # Per engine model (vLLM's nn.Module), per trainer model (None: not writable in place): dropped with
