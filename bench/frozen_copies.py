@@ -6,8 +6,9 @@ timed as launched eagerly and as replayed from a CUDA graph (as the sync replays
 
 In a graph, copy_ of gigabyte-sized tensors (7B) ran at about 2.7 TB/s against 4.1 TB/s eagerly.
 Copying them in pieces was fast or slow depending on the piece size, with no pattern. A Triton
-copy kernel ran at 4.1 TB/s; blocks of 1024 (4 warps) to 16384 (16 warps) were within 4% of each
-other, 1024 the fastest (bench/results/h200-2026-12-01-session6/frozen_copies.txt).
+copy kernel ran at 4.1 to 4.2 TB/s (bench/results/2026-12-01-h200-48e6c2a/). Before it went in, a
+sweep of its block found 1024 (4 warps) to 16384 (16 warps) elements within 4% of each other, 1024
+the fastest (that log is in git history at 48e6c2a).
 
     python bench/frozen_copies.py --shapes 1.5B 7B      # GPU only
 """

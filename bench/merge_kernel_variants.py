@@ -7,9 +7,9 @@ writes), and is timed over replays. Rounding: the share of entries that differ f
 rounded bf16(W + s * B @ A) (computed in fp64), and from the kernel in use.
 
 At commit 2826713 this script also ran tf32x3 dots, plain FMA loops and another tile order: all
-slower (bench/results/h200-2026-11-29-session4/merge_kernel_variants*.txt). At 2351c66 it ran the
-kernel with W's load issued before the rank-r product, with and without streaming cache hints: 10
-to 13% slower (bench/results/h200-2026-12-01-session5/merge_kernel_variants.txt).
+slower (their results are in git history at d30ef41). At 2351c66 it ran the kernel with W's load
+issued before the rank-r product, with and without streaming cache hints: 10 to 13% slower
+(bench/results/2026-12-01-h200-2351c66/).
 
     python bench/merge_kernel_variants.py --shapes 1.5B 7B      # GPU only
 """
@@ -50,7 +50,7 @@ def copy(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, out: torch
 VARIANTS = {
     "kernels.fused_merged_weight (in use)": current,
     "copy only (no merge)": copy,
-    "64x128 w4 (before session 4)": variant(64, 128, 4),
+    "64x128 w4 (before 2826713)": variant(64, 128, 4),
     "64x128 w8": variant(64, 128, 8),
     "32x128 w4": variant(32, 128, 4),
     "32x128 w2": variant(32, 128, 2),

@@ -14,7 +14,7 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
     python bench/sync_vs_trl.py --shapes 1.5B --out bench/results/sync_vs_trl_1.5B.json   # GPU
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
 
-Settings (FIELD_NOTES' anchors): LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
+Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
 completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5.
 """
 

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and GPU tests, on any CUDA machine with the package installed (pip install -e ".[vllm]"),
+# run from the repository root. Each call writes into one results folder, $OUT, by default
+# bench/results/<date>-<gpu>-<commit>/ (the commit gets "-dirty" when tracked files differ from it), with
+# environment.txt (GPU, driver, Python and library versions) and commands.txt (the calls that wrote there).
+#   bash bench/gpu.sh tests               GPU tests of engine, sync, resume and interrupts; sleep/wake profile (1.5B)
+#   bash bench/gpu.sh bench 1.5B [KIND..] stock TRL against ours at one shape (bench/sync_vs_trl.py), e.g.
+#                                         bench 7B stock ours-ma (default: every kind)
+#   bash bench/gpu.sh push 1.5B           where a sync's push spends its time (bench/profile_push.py)
+#   bash bench/gpu.sh kernel              merge-kernel tiles and warps at both shapes (bench/merge_kernel_variants.py)
+#   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
+#   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
+#   bash bench/gpu.sh memory              create/train/release cycles (tests/test_memory.py), 200 steps of the
+#                                         default job (bench/memory_growth.py)
+# The random-weight 1.5B and 7B models are built once, in $MODELS (default /tmp/sync_vs_trl_models).
+set -u
+case ${1:-} in
+tests | kernel | copies | lora | memory) ;;
+bench | push) [ $# -ge 2 ] || { sed -n '2,15p' "$0"; exit 2; } ;;
+*) sed -n '2,15p' "$0"; exit 2 ;;
+esac
+# Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
+export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+models=${MODELS:-/tmp/sync_vs_trl_models}
+commit=$(git rev-parse --short=7 HEAD 2>/dev/null || echo nogit)
+git diff --quiet HEAD 2>/dev/null || commit=$commit-dirty
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | sed 's/^NVIDIA //' | tr 'A-Z ' 'a-z-')
+out=${OUT:-bench/results/$(date -u +%F)-$gpu-$commit}
+mkdir -p "$out"
+[ -e "$out/environment.txt" ] || {
+  echo "commit $commit"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import sys, torch, transformers, peft, trl, vllm; print('python', sys.version.split()[0], 'torch', \
+torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'trl', trl.__version__, \
+'vllm', vllm.__version__)" 2>&1 | tail -1
+} > "$out/environment.txt"
+echo "bash bench/gpu.sh $*" >> "$out/commands.txt"
+
+model() {  # build the random-weight model of shape $1 in $models/$1 unless it is there (as sync_vs_trl.py does)
+  python3 -c "import sys; sys.path.insert(0, 'bench'); from pathlib import Path; import sync_vs_trl as b; \
+b.build_model('$1', Path('$models/$1'))"
+}
+
+fresh() {  # $1, or $1_run2, $1_run3, ... when $out already holds $1.txt: a second call keeps the first's files
+  local name=$1 i=2
+  while [ -e "$out/$name.txt" ]; do name=${1}_run$i; i=$((i + 1)); done
+  echo "$name"
+}
+
+case $1 in
+tests)
+  # Two processes: vLLM allows one sleep-mode engine per process, and test_engine.py builds its own.
+  python3 -m pytest -q -p no:cacheprovider tests/test_engine.py > "$out/pytest_engine.txt" 2>&1
+  python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_sync.py tests/test_end_to_end.py \
+    tests/test_interrupts.py > "$out/pytest.txt" 2>&1
+  tail -3 "$out/pytest_engine.txt" "$out/pytest.txt"
+  model 1.5B
+  python3 bench/profile_sleep_wake.py "$models/1.5B" > "$out/profile_sleep_wake_1.5B.txt" 2>&1
+  grep -a -E "pool|allocates|gc.collect|Error" "$out/profile_sleep_wake_1.5B.txt"
+  ;;
+bench)
+  name=$(fresh "sync_vs_trl_$2")
+  python3 bench/sync_vs_trl.py --shapes "$2" ${3:+--kinds ${*:3}} --models "$models" --out "$out/$name.json" \
+    > "$out/$name.txt" 2>&1
+  tail -25 "$out/$name.txt"
+  ;;
+push)
+  model "$2"
+  name=$(fresh "profile_push_$2")
+  python3 bench/profile_push.py "$models/$2" > "$out/$name.txt" 2>&1
+  grep -a -v -E "^(INFO|WARNING|\[)" "$out/$name.txt" | tail -25
+  ;;
+kernel)
+  python3 bench/merge_kernel_variants.py > "$out/merge_kernel_variants.txt" 2>&1
+  cat "$out/merge_kernel_variants.txt"
+  ;;
+copies)
+  python3 bench/frozen_copies.py > "$out/frozen_copies.txt" 2>&1
+  cat "$out/frozen_copies.txt"
+  ;;
+lora)
+  python3 bench/lora_speed.py --out "$out/lora_speed.json" > "$out/lora_speed.txt" 2>&1
+  tail -25 "$out/lora_speed.txt"
+  ;;
+memory)
+  # Its own process: the last cycle closes the engine, after which vLLM allows no other in the process.
+  python3 -m pytest -q -s -p no:cacheprovider tests/test_memory.py > "$out/pytest_memory.txt" 2>&1
+  python3 bench/memory_growth.py --steps 200 --out "$out/memory_growth.json" > "$out/memory_growth.txt" 2>&1
+  grep -a -E "GiB in use|passed|failed" "$out/pytest_memory.txt"
+  grep -a -E "^ +[0-9]+ |growth|Trained" "$out/memory_growth.txt"
+  ;;
+esac
