@@ -30,7 +30,7 @@ def test_each_forced_route_is_the_one_vllm_takes(monkeypatch, route):
 
 @cpu_only
 def test_the_engine_keeps_plain_weights_on_every_route(cpu_gemm_route):
-    engine = shared_engine(str(tiny_model_path()), VLLMConfig(), max_num_seqs=64)
+    engine = shared_engine(str(tiny_model_path()), VLLMConfig(enforce_eager=True), max_num_seqs=64)
     try:
         qkv = engine.model.model.layers[0].self_attn.qkv_proj
         assert engine.writes_in_place

@@ -1,0 +1,76 @@
+"""The memory plan's arithmetic on known shapes, and the refusal when a run cannot fit."""
+
+import subprocess
+import sys
+
+import torch
+
+from colocate_grpo.config import load_config
+from colocate_grpo.memory_plan import (
+    ACTIVATION_MARGIN_BYTES,
+    CUDA_GRAPH_BYTES,
+    GIB,
+    ModelShape,
+    kv_cache_bytes,
+    plan_memory,
+    refusal,
+)
+from colocate_grpo.train import default_config_path
+
+# A Qwen2.5-1.5B-like shape: 28 layers, hidden 1536, 2 KV heads of 128, one linear of each kind per layer.
+SHAPE = ModelShape(
+    parameters=1_500_000_000,
+    linear_shapes=[("model.layers.0.self_attn.q_proj", 1536, 1536), ("model.layers.0.mlp.up_proj", 8960, 1536)],
+    layers=28,
+    hidden_size=1536,
+    intermediate_size=8960,
+    vocab_size=151936,
+    kv_bytes_per_token=2 * 28 * 2 * 128 * 2,
+)
+
+
+def test_the_plan_adds_up_the_known_parts():
+    config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 256}})
+    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    adapter = 16 * ((1536 + 1536) + (8960 + 1536)) * 4  # r x (out + in) per adapted linear, fp32
+    assert plan.trainer_weights == 1_500_000_000 * 2 + adapter
+    assert plan.trainer_states == 3 * adapter  # gradients and AdamW's two moments
+    assert plan.engine_weights == 1_500_000_000 * 2
+    assert plan.kv_cache == kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 512 + 256)
+    assert plan.kv_cache == 28672 * 64 * (13 * 64)  # 768 tokens round up to 832 with a block to spare
+    assert plan.engine_runtime == ACTIVATION_MARGIN_BYTES + CUDA_GRAPH_BYTES  # CUDA graphs on by default
+    assert plan.generation_peak == sum(
+        [plan.trainer_weights, plan.trainer_states, plan.engine_weights, plan.kv_cache, plan.engine_runtime]
+    )
+    assert plan.fits and "GiB while generating" in plan.summary()
+
+
+def test_full_fine_tuning_counts_gradients_and_optimizer_states_of_every_weight():
+    plan = plan_memory(load_config({"adapter": None}), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    assert plan.trainer_states == 3 * plan.trainer_weights
+
+
+def test_a_run_that_cannot_fit_is_refused_with_its_numbers_and_fixes():
+    config = load_config({})
+    plan = plan_memory(config, SHAPE, torch.bfloat16, free=8 * GIB, total=8 * GIB)
+    assert not plan.fits
+    message = refusal(plan, config)
+    assert "GiB more than the 8.0 GiB free" in message
+    assert "micro_batch_size" in message and "max_completion_length" in message and "base_model" in message
+
+
+def test_cli_check_refuses_a_plan_that_cannot_fit_with_exit_2(tmp_path):
+    # A GPU of 1 GiB, as the planner sees it: the tiny model's engine alone needs its runtime's 3 GiB.
+    script = f"""
+import sys, torch
+torch.cuda.is_available = lambda: True
+torch.cuda.is_bf16_supported = lambda *a, **k: True
+torch.cuda.mem_get_info = lambda *a: (2**30, 2**30)
+from colocate_grpo.train import main
+sys.exit(main(["--check", {str(default_config_path())!r}]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "config error: This run needs" in result.stderr and "Fixes:" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
