@@ -91,12 +91,6 @@ class Engine:
 
     Only one engine lives in a process: creating a second closes the first (vLLM
     allows one sleep-enabled engine per process).
-
-    Attributes:
-        writes_in_place: whether tensors written into :meth:`parameter_views` are what the engine
-            computes with. True on GPUs, and on every CPU: the engine keeps vLLM's CPU linear layers
-            on their plain weights (``_plain_cpu_linears``). False only where a vLLM packed them all
-            the same.
     """
 
     def __init__(
@@ -159,7 +153,6 @@ class Engine:
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
         # vLLM computes from packed copies on this CPU (see _plain_cpu_linears): only its reload repacks them.
         self._packed = not _weights_are_plain(self.model)
-        self.writes_in_place = not self._packed
         if self._packed:
             logger.warning(
                 "vLLM packed this engine's linear weights into a CPU kernel's layout: weights go through vLLM's "
@@ -372,6 +365,15 @@ class Engine:
         except (ImportError, AttributeError, IndexError, TypeError):
             return {}
         return sizes
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether tensors written into :meth:`parameter_views` are what the engine computes with.
+
+        True on GPUs, and on every CPU: the engine keeps vLLM's CPU linear layers on their plain
+        weights (``_plain_cpu_linears``). False only where a vLLM packed them all the same.
+        """
+        return not self._packed
 
     def parameter_views(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, ParameterView] | None:
         """Where each Hugging Face-named tensor lives in the engine's parameters.

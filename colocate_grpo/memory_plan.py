@@ -177,12 +177,6 @@ class MemoryPlan:
         return self.trainer_weights + self.trainer_states + self.engine_weights + self.kv_cache + self.engine_runtime
 
     @property
-    def training_peak(self) -> int:
-        """Bytes while training, the engine asleep (its CUDA graphs stay)."""
-        graphs = max(0, self.engine_runtime - ACTIVATION_MARGIN_BYTES)
-        return self.trainer_weights + self.trainer_states + self.activations + graphs
-
-    @property
     def fits(self) -> bool:
         """Whether the known parts (all but the activations estimate) fit in the free memory."""
         return self.generation_peak <= self.free
@@ -209,14 +203,12 @@ def plan_memory(
     dtype: torch.dtype,
     free: int,
     total: int,
-    checkpoint: int | None = None,
 ) -> MemoryPlan:
     """The run's memory plan on a device with ``free`` of ``total`` bytes.
 
     Args:
         shape: the model's shape (:func:`model_shape`).
         dtype: the training dtype; the engine serves the same.
-        checkpoint: bytes of the model's weight files, when known; else counted from ``shape``.
     """
     weights = shape.parameters * dtype.itemsize
     if config.adapter == "lora":
@@ -225,14 +217,13 @@ def plan_memory(
         trainer_weights, states = weights + adapter, _TRAINING_COPIES * adapter
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
-    engine_weights = checkpoint if checkpoint is not None else weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
     kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, config.engine_max_model_len)
     runtime = engine_bytes(0, 0, cuda_graphs=not config.vllm.enforce_eager)
     return MemoryPlan(
         trainer_weights=trainer_weights,
         trainer_states=states,
-        engine_weights=engine_weights,
+        engine_weights=weights,
         kv_cache=kv,
         engine_runtime=runtime,
         activations=training_activation_bytes(config, shape, dtype),

@@ -150,7 +150,7 @@ def build_trainer(
     models.check_rewards_run(rewards, dataset)
     dtype = models.training_dtype(device)
     args = grpo_args(config, device, dtype)
-    plan = memory_plan(config, path, device, dtype)
+    plan = plan_device_memory(config, path, device, dtype)
     with device_memory_errors("load the model and start the engine", plan, config):
         model = models.load_model(config, path, device)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
@@ -181,8 +181,8 @@ def build_trainer(
     return trainer
 
 
-def memory_plan(config: Config, path: str, device: str, dtype: Any) -> MemoryPlan | None:
-    """The run's memory plan on the GPU, logged in one line; None on CPU or for a model it cannot read.
+def plan_device_memory(config: Config, path: str, device: str, dtype: Any) -> MemoryPlan | None:
+    """The run's memory plan on the GPU, printed in one line; None on CPU or for a model it cannot read.
 
     Raises:
         MemoryPlanError: when the weights, optimizer states, KV cache and engine alone exceed the free memory.
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             from colocate_grpo import models
 
             device = models.resolve_device(config)
-            memory_plan(config, models.model_path(config), device, models.training_dtype(device))
+            plan_device_memory(config, models.model_path(config), device, models.training_dtype(device))
             print(f"{options.config or DEFAULT_CONFIG}: OK")
             return 0
         result = train(config, plots=True)

@@ -125,7 +125,7 @@ def test_in_place_sync_serves_exactly_what_vllms_loader_serves(trainer, monkeypa
     with monkeypatch.context() as patch:
         patch.setattr(engine, "load_weights", no_loader)
         in_place = [served_after_a_level_2_sleep() for _ in range(3)]  # written eagerly, then by a CUDA graph
-    monkeypatch.setattr(engine, "writes_in_place", False)
+    monkeypatch.setattr(type(engine), "writes_in_place", property(lambda self: False))
     assert in_place == [served_after_a_level_2_sleep()] * 3
 
 
