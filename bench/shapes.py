@@ -9,6 +9,14 @@ QWEN25 = {
         num_key_value_heads=2,
         vocab_size=151936,
     ),
+    "3B": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
     "7B": dict(
         hidden_size=3584,
         intermediate_size=18944,

@@ -126,11 +126,13 @@ class Config:
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Module names to adapt (instead of lora_target_linear)."}
     )
-    lora_merge_aware: Literal["bf16", "fp16"] | None = field(
-        default=None,
+    lora_merge_aware: Literal["auto", "bf16", "fp16"] | None = field(
+        default="auto",
         metadata={
-            "help": "Train x @ cast(W + s*B@A)^T so vLLM serves exactly what is optimised "
-            "(bf16; fp16 for GPUs without bf16 such as the T4)."
+            "help": "Train x @ cast(W + s*B@A)^T so vLLM serves exactly what is optimised, and train faster than "
+            "PEFT's LoRA at GRPO's batch sizes. auto: in the training dtype (bf16; fp16 on GPUs without bf16 such "
+            "as the T4) wherever it applies (LoRA on an unquantized base, no DoRA). null: PEFT's LoRA, whose merge "
+            "into bf16 keeps only part of the update (lora_merge/retained)."
         },
     )
     peft_use_dora: bool = field(default=False, metadata={"help": "DoRA adapters (not with lora_merge_aware)."})
@@ -455,12 +457,13 @@ def _check_combinations(c: Config) -> None:
                 "quantized base cannot be merged into them. Remove it and train a bf16 base with LoRA (the memory "
                 "plan printed at start says whether it fits), or pick a smaller base_model."
             )
-    if c.adapter is None and (c.lora_merge_aware or c.load_in_4bit or c.load_in_8bit or c.peft_use_dora):
+    merge_aware = c.lora_merge_aware not in (None, "auto")
+    if c.adapter is None and (merge_aware or c.load_in_4bit or c.load_in_8bit or c.peft_use_dora):
         raise ConfigError(
             "'lora_merge_aware', 'peft_use_dora' and 4/8-bit bases need 'adapter: lora' "
             "(full fine-tuning trains the bf16 weights themselves)."
         )
-    if c.lora_merge_aware:
+    if merge_aware:
         for key, on in [
             ("peft_use_dora", c.peft_use_dora),
             ("load_in_4bit", c.load_in_4bit),

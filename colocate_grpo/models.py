@@ -181,11 +181,21 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    if config.lora_merge_aware:
+    mode = merge_aware_mode(config, dtype)
+    if mode:
         from colocate_grpo.lora import install_merge_aware
 
-        install_merge_aware(model, config.lora_merge_aware)
+        install_merge_aware(model, mode)
     return model
+
+
+def merge_aware_mode(config: Config, dtype: torch.dtype) -> str | None:
+    """``lora_merge_aware`` with ``auto`` resolved: the training dtype's name where merge-aware LoRA applies."""
+    if config.lora_merge_aware != "auto":
+        return config.lora_merge_aware
+    if config.adapter != "lora" or config.peft_use_dora or config.load_in_4bit or config.load_in_8bit:
+        return None
+    return "fp16" if dtype == torch.float16 else "bf16"
 
 
 def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int = 2) -> None:

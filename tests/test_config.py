@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from colocate_grpo.config import ConfigError, describe, load_config
+from colocate_grpo.models import merge_aware_mode
 from colocate_grpo.train import default_config_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +40,21 @@ def test_defaults_are_a_colocated_sleeping_engine():
     assert config.vllm.gpu_memory_utilization == "auto"
     assert config.vllm.enforce_eager is False  # CUDA graphs: stock TRL builds its engine with them
     assert config.vllm.max_model_len is None and config.engine_max_model_len == 512 + 256
+
+
+@pytest.mark.parametrize(
+    ("raw", "dtype", "mode"),
+    [
+        ({}, torch.bfloat16, "bf16"),  # merge-aware by default, in the training dtype
+        ({}, torch.float16, "fp16"),  # GPUs without bf16 (the T4)
+        ({"lora_merge_aware": None}, torch.bfloat16, None),  # PEFT's LoRA when asked for
+        ({"lora_merge_aware": "fp16"}, torch.bfloat16, "fp16"),
+        ({"peft_use_dora": True}, torch.bfloat16, None),  # where it does not apply, auto steps aside
+        ({"adapter": None}, torch.bfloat16, None),
+    ],
+)
+def test_lora_is_merge_aware_by_default_where_it_applies(raw, dtype, mode):
+    assert merge_aware_mode(load_config(raw), dtype) == mode
 
 
 def test_yaml_1_1_exponent_without_dot_is_a_number():

@@ -126,7 +126,7 @@ def test_merge_aware_engine_serves_the_trained_weights_bitwise(tmp_path):
 
 
 def test_ordinary_lora_logs_the_retained_update(tmp_path):
-    result = train(tiny_config(tmp_path, trl={"vllm_merge_check_interval": 2}))
+    result = train(tiny_config(tmp_path, lora_merge_aware=None, trl={"vllm_merge_check_interval": 2}))
     retained = result.metrics.series("lora_merge/retained")
     changed = result.metrics.series("lora_merge/changed_fraction")
     # Checks at the first sync (logged with step 1) and at step 2 (logged with step 3); a fresh
