@@ -440,7 +440,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "7B"], help="1.5B, 7B, or tiny (CPU check)")
-    parser.add_argument("--kinds", nargs="+", default=["stock", "ours", "ours-ma", "ours-ma-fraction"])
+    parser.add_argument("--kinds", nargs="+", default=["stock", "user", "ours", "ours-ma", "ours-ma-fraction"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="sync_vs_trl.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
