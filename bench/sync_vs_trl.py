@@ -4,7 +4,8 @@ Trainers: stock TRL (``stock``); ``user``, colocate_grpo as a user runs it: ``bu
 the plain config a user would write (model, dataset, reward, batch keys, nothing else: every other
 setting is a default); colocate_grpo with the same ordinary PEFT LoRA (``ours``),
 and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
-``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch. Each
+``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch; ``ours-adapter``
+is ``ours`` with the adapter served by vLLM's LoRA kernels (``serve_adapter``) instead of merged. Each
 (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per process.
 The driver builds each shape's random-weight model once, runs both trainers, and prints a table
 with ratios (colocate_grpo / stock TRL): step time, sync time (the weights' wake and the push;
@@ -165,14 +166,16 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     PhaseClock._synchronize = _timed_part(phases, totals, "clock_wait", PhaseClock._synchronize)
 
 
-def time_push_on_device(pushes: list) -> None:
+def time_push_on_device(pushes: list, function: str = "push_weights") -> None:
     """Record CUDA events around colocate_grpo's push, into ``pushes``: from its call until the device has
-    written the weights. Its wall time cannot show that, as the KV cache's wake runs during the writes."""
+    written the weights. Its wall time cannot show that, as the KV cache's wake runs during the writes.
+    ``function`` is the trainer module's push to time: ``push_weights`` (the weights, merged unless the
+    adapter is served) or ``push_adapter`` (the adapter's factors into vLLM's LoRA buffers)."""
     import torch
 
     from colocate_grpo import trainer
 
-    push = trainer.push_weights
+    push = getattr(trainer, function)
 
     def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -183,7 +186,7 @@ def time_push_on_device(pushes: list) -> None:
             end.record()
             pushes.append((start, end))
 
-    trainer.push_weights = wrapper
+    setattr(trainer, function, wrapper)
 
 
 def push_s(timings: dict[str, float]) -> float:
@@ -308,7 +311,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
             enforce_eager=False,
             kv_cache="memory_fraction" if kind.endswith("-fraction") else "batch",
         )
-        trainer = ColocateGRPOTrainer(**common, vllm_options=options)
+        trainer = ColocateGRPOTrainer(**common, vllm_options=options, serve_adapter=kind == "ours-adapter")
 
     def device_used_gib() -> float:
         if not cuda:
@@ -349,16 +352,21 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
         time_sleep_mode_parts(phases, current)
     time_gc_pauses(phases, current)
     pushes: list = []
+    adapter_pushes: list = []
     if kind != "stock":
         time_sync_parts(phases, current)
         if cuda:
             time_push_on_device(pushes)
+            time_push_on_device(adapter_pushes, "push_adapter")
 
     def add_push_s() -> None:
-        """Move the pushes' device-timed seconds into ``current["push_s"]`` (the device synchronized)."""
-        for start, end in pushes:
-            current["push_s"] = current.get("push_s", 0.0) + start.elapsed_time(end) / 1e3
-        pushes.clear()
+        """Move the pushes' device-timed seconds into ``current["push_s"]`` (the device synchronized); the
+        adapter's writes also into ``current["adapter_push_s"]``."""
+        for events, keys in ((pushes, ["push_s"]), (adapter_pushes, ["push_s", "adapter_push_s"])):
+            for start, end in events:
+                for key in keys:
+                    current[key] = current.get(key, 0.0) + start.elapsed_time(end) / 1e3
+            events.clear()
 
     generation = trainer.vllm_generation
     generation.sync_weights = timed("sync", generation.sync_weights)
@@ -408,6 +416,19 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
         repeat_sync_s.append(current["sync_s"])
         repeat_push_s.append(push_s(current))
 
+    # The adapter's push when the engine kept its base weights (a level-1 sleep): the adapter alone.
+    repeat_adapter_push_s = []
+    if cuda and generation.serve_adapter:
+        for _ in range(10):
+            asleep = sorted(getattr(executor, "sleeping_tags", ()))
+            if asleep:
+                generation.llm.wake_up(tags=asleep)
+            generation.llm.sleep(level=1)
+            current.clear()
+            generation.sync_weights()
+            add_push_s()
+            repeat_adapter_push_s.append(current.get("adapter_push_s", float("nan")))
+
     def median(key: str) -> float:
         values = [s.get(key, 0.0) for s in measured]
         return statistics.median(values) if values else float("nan")
@@ -424,6 +445,8 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
         "loop_push_s": statistics.median(push_s(s) for s in measured),
         "repeat_sync_s": statistics.median(repeat_sync_s),
         "repeat_push_s": statistics.median(repeat_push_s),
+        "adapter_push_s": median("adapter_push_s") if generation.serve_adapter else float("nan"),
+        "repeat_adapter_push_s": statistics.median(repeat_adapter_push_s) if repeat_adapter_push_s else float("nan"),
         "copy_floor_s": floor_s,
         "overhead_share": statistics.median(overhead),
         "peak_device_gib": {
@@ -522,6 +545,14 @@ def table(results: list[dict]) -> str:
             ratios = ", ".join(f"{k} {ours[k] / stock[k]:.3g}x" for k in RATIO_KEYS if stock[k])
             peak = max(ours["peak_device_gib"].values()) / max(stock["peak_device_gib"].values())
             lines.append(f"{shape} {kind} / stock: {ratios}, peak device {peak:.3g}x; {floor}")
+            if ours.get("adapter_push_s", float("nan")) == ours.get("adapter_push_s"):  # not NaN: adapter served
+                merged = runs.get("ours")
+                against = f", merged push / adapter push {merged['repeat_push_s'] / ours['repeat_adapter_push_s']:.3g}x"
+                lines.append(
+                    f"{shape} {kind}: adapter push {1e3 * ours['adapter_push_s']:.3f} ms in the loop (the base lost "
+                    f"at each level-2 sleep is pushed besides), {1e3 * ours['repeat_adapter_push_s']:.3f} ms with "
+                    f"the base kept (level-1 sleeps)" + (against if merged else "")
+                )
     return "\n".join(lines)
 
 

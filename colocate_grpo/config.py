@@ -131,8 +131,9 @@ class Config:
         metadata={
             "help": "Train x @ cast(W + s*B@A)^T so vLLM serves exactly what is optimised, and train faster than "
             "PEFT's LoRA at GRPO's batch sizes. auto: in the training dtype (bf16; fp16 on GPUs without bf16 such "
-            "as the T4) wherever it applies (LoRA on an unquantized base, no DoRA). null: PEFT's LoRA, whose merge "
-            "into bf16 keeps only part of the update (lora_merge/retained)."
+            "as the T4) wherever it applies (LoRA on an unquantized base, no DoRA, merged weights served: not with "
+            "trl.vllm_lora_sync). null: PEFT's LoRA, whose merge into bf16 keeps only part of the update "
+            "(lora_merge/retained)."
         },
     )
     peft_use_dora: bool = field(default=False, metadata={"help": "DoRA adapters (not with lora_merge_aware)."})
@@ -477,10 +478,23 @@ def _check_combinations(c: Config) -> None:
                     f"Remove '{key}' or 'lora_merge_aware'."
                 )
     if c.trl.get("vllm_lora_sync"):
-        raise ConfigError(
-            "'trl.vllm_lora_sync: true' cannot be used in colocate mode: the engine lives in this process and "
-            "receives merged weights. Remove it (the colocated sync is already in-process)."
-        )
+        if c.adapter is None:
+            raise ConfigError(
+                "'trl.vllm_lora_sync: true' serves a LoRA adapter, and full fine-tuning has none: set 'adapter: lora' "
+                "or remove 'trl.vllm_lora_sync'."
+            )
+        if c.peft_use_dora:
+            raise ConfigError(
+                "'trl.vllm_lora_sync: true' cannot serve DoRA adapters (vLLM's LoRA kernels have no DoRA): remove "
+                "'peft_use_dora' or 'trl.vllm_lora_sync'."
+            )
+        outside = sorted(set(c.lora_target_modules or []) & {"embed_tokens", "lm_head"})
+        if outside:
+            raise ConfigError(
+                f"'lora_target_modules' lists {', '.join(outside)}, which vLLM does not serve LoRA on with "
+                "'trl.vllm_lora_sync: true' (it serves the decoder's linear layers): remove them, or remove "
+                "'trl.vllm_lora_sync' to serve merged weights."
+            )
 
 
 def _check_trl_block(trl: dict[str, Any]) -> None:

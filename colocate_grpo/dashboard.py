@@ -79,15 +79,19 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
 
     retained = _series(history, "lora_merge/retained")
     exact = _series(history, "lora_merge/served_equals_trained")
+    adapter = _series(history, "lora_sync/served_equals_trained")
     changed = _series(history, "lora_merge/changed_fraction")
     if retained[0]:
         merge_ax.plot(*retained, "o-", color="#d94801", label="update served (ordinary LoRA)")
     if exact[0]:
         merge_ax.plot(*exact, "s--", color="#238b45", label="served = trained, bitwise (merge-aware)")
+    if adapter[0]:
+        merge_ax.plot(*adapter, "s--", color="#238b45", label="served adapter = trained, bitwise")
     if changed[0]:
         merge_ax.plot(*changed, "^:", color="#737373", label="entries changed by the merge")
-    merge_ax.set(title="LoRA merge into the served weights", xlabel="step", ylim=(-0.05, 1.05))
-    if retained[0] or exact[0]:
+    title = "Served adapter" if adapter[0] else "LoRA merge into the served weights"
+    merge_ax.set(title=title, xlabel="step", ylim=(-0.05, 1.05))
+    if retained[0] or exact[0] or adapter[0]:
         merge_ax.axhline(0.5, color="#d94801", alpha=0.3, linewidth=1)
         merge_ax.legend(loc="center right", fontsize="small")
     else:
@@ -171,6 +175,9 @@ def summary(history: list[dict[str, Any]]) -> str:
     if not steps:
         return "No steps logged."
     lines = [f"Steps: {steps[-1]['step']}"]
+    served_as = next((e["served_as"] for e in reversed(history) if "served_as" in e), None)
+    if served_as:
+        lines.append(f"Served as: {served_as}")
     reward = _series(history, "reward")[1]
     if reward:
         start, end = first_and_last_tenth(reward)
@@ -193,7 +200,10 @@ def summary(history: list[dict[str, Any]]) -> str:
         lines.append(f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}")
     retained = _series(history, "lora_merge/retained")[1]
     exact = _series(history, "lora_merge/served_equals_trained")[1]
-    if exact:
+    adapter = _series(history, "lora_sync/served_equals_trained")[1]
+    if adapter:
+        lines.append(f"Served adapter: equal to the trained factors at {sum(adapter):.0f} of {len(adapter)} checks")
+    elif exact:
         lines.append(
             f"Merge-aware LoRA: served weights equal the trained ones at {sum(exact):.0f} of {len(exact)} checks"
         )

@@ -19,9 +19,10 @@ import logging
 import os
 import random
 import sys
+import tempfile
 import types
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,8 @@ class Engine:
         max_num_seqs: largest number of sequences generated at once; with ``kv_cache: batch`` the KV
             cache holds that many at ``max_model_len`` tokens.
         seed: sampling seed; the caller's global RNG states are preserved across engine creation.
+        max_lora_rank: serve one LoRA adapter of at most this rank with vLLM's LoRA kernels (a rank
+            vLLM supports, see ``VLLM_LORA_RANKS``); None serves the weights alone.
 
     Only one engine lives in a process: creating a second closes the first (vLLM
     allows one sleep-enabled engine per process).
@@ -102,6 +105,7 @@ class Engine:
         seed: int = 0,
         quantization: str | None = None,
         trust_remote_code: bool = False,
+        max_lora_rank: int | None = None,
     ) -> None:
         global _live_engine
         previous = live_engine()
@@ -112,6 +116,9 @@ class Engine:
         self.options = options
         self.model_path = model_path
         self.dtype = dtype if options.dtype == "auto" else options.dtype
+        self.max_lora_rank = max_lora_rank
+        self.adapter_request: Any = None  # vLLM's LoRARequest once an adapter is loaded (load_adapter)
+        self._adapter_directory: tempfile.TemporaryDirectory | None = None
         self.cpu = on_cpu()
         self.sleep_mode = not self.cpu
         if self.sleep_mode and _sleep_engine_was_closed:
@@ -149,6 +156,7 @@ class Engine:
                 trust_remote_code=trust_remote_code,
                 seed=seed,
                 kv_cache_memory_bytes=kv_cache_bytes,
+                **_lora_arguments(max_lora_rank),
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
         # vLLM computes from packed copies on this CPU (see _plain_cpu_linears): only its reload repacks them.
@@ -286,6 +294,8 @@ class Engine:
             llm.wake_up(tags=waking)
             if wake_weights:
                 self._restore_buffers()
+                if self.max_lora_rank is not None:
+                    self._forget_lora_mapping()
         if wake_weights:
             weights = Weights.RESIDENT if weights is Weights.OFFLOADED else Weights.GARBAGE
         self._state = EngineState(weights, kv_cache_awake=kv_awake or wake_kv)
@@ -387,7 +397,8 @@ class Engine:
             shapes: every tensor to place, by Hugging Face name, with its shape.
         """
         model = self.model
-        params = dict(model.named_parameters())
+        # With LoRA served, vLLM wraps each linear layer and its parameters sit under ".base_layer.".
+        params = {name.replace(".base_layer.", "."): p for name, p in model.named_parameters()}
         packed = getattr(model, "packed_modules_mapping", None) or {}
         views = {}
         for name, shape in shapes.items():
@@ -403,6 +414,53 @@ class Engine:
         executor = self._require_open().llm_engine.model_executor
         return executor.driver_worker.worker.model_runner.model
 
+    # --- adapters ----------------------------------------------------------------------------
+    def load_adapter(self, save: Callable[[str], None]) -> None:
+        """Load a PEFT adapter into the engine's one LoRA slot and pin it there.
+
+        Generation then applies it to every request. vLLM loads adapters from a directory only, so
+        ``save(directory)`` writes it (``PeftModel.save_pretrained``) into one the engine keeps until
+        it closes. This happens once: later versions of the adapter are written into the tensors
+        vLLM loaded it into (:meth:`lora_layers`), which stay in place while it is pinned.
+        """
+        from vllm.lora.request import LoRARequest
+
+        if self.max_lora_rank is None:
+            raise EngineStateError("This engine was started without LoRA support (max_lora_rank=None).")
+        self._adapter_directory = tempfile.TemporaryDirectory(prefix="colocate_grpo_adapter_")
+        save(self._adapter_directory.name)
+        request = LoRARequest("colocated", 1, self._adapter_directory.name)
+        llm_engine = self._require_open().llm_engine
+        llm_engine.add_lora(request)
+        llm_engine.pin_lora(request.lora_int_id)  # pinned: never evicted, so never loaded again
+        self.adapter_request = request
+        self.reset_prefix_cache()
+
+    def lora_layers(self) -> tuple[dict[str, torch.nn.Module], int]:
+        """vLLM's LoRA-wrapped layers by module name, and the slot the loaded adapter occupies.
+
+        Each layer holds ``lora_a_stacked`` (per packed slice: slots x 1 x max rank x in features) and
+        ``lora_b_stacked`` (slots x 1 x out features x max rank), B already multiplied by the scaling.
+        """
+        if self.adapter_request is None:
+            raise EngineStateError("No adapter is loaded: call load_adapter() first.")
+        executor = self._require_open().llm_engine.model_executor
+        manager = executor.driver_worker.worker.model_runner.lora_manager._adapter_manager
+        return dict(manager.modules), manager.lora_index_to_id.index(self.adapter_request.lora_int_id)
+
+    def _forget_lora_mapping(self) -> None:
+        """Make vLLM rewrite its LoRA index tensors at the next batch.
+
+        A level-2 sleep discards them with the weights, and vLLM rewrites them only when a batch's
+        adapter mapping differs from the last one it wrote (vllm.lora.model_manager).
+        """
+        executor = self._require_open().llm_engine.model_executor
+        manager = getattr(executor.driver_worker.worker.model_runner, "lora_manager", None)
+        adapter_manager = getattr(manager, "_adapter_manager", None)
+        for cached in ("_last_mapping", "_last_slot_layout"):
+            if hasattr(adapter_manager, cached):
+                setattr(adapter_manager, cached, None)
+
     def reset_prefix_cache(self) -> None:
         """Drop cached prefixes: after the weights change they describe another policy."""
         self._require_open().reset_prefix_cache()
@@ -416,6 +474,8 @@ class Engine:
                 f"Cannot generate: the engine is not ready ({self._state}); vLLM would hang or sample from "
                 "discarded weights. Call wake_up() and, after a level-2 sleep, load_weights() first."
             )
+        if self.adapter_request is not None:
+            kwargs.setdefault("lora_request", self.adapter_request)
         return llm.generate(prompts, sampling_params=sampling_params, use_tqdm=use_tqdm, **kwargs)
 
     @property
@@ -423,10 +483,11 @@ class Engine:
         return self._require_open().llm_engine
 
     # --- lifetime ----------------------------------------------------------------------------
-    def serves(self, model_path: str, options: VLLMConfig, dtype: str) -> bool:
-        """True when this open engine was built for that base model, dtype and ``vllm:`` block."""
+    def serves(self, model_path: str, options: VLLMConfig, dtype: str, max_lora_rank: int | None = None) -> bool:
+        """True when this open engine was built for that base model, dtype, ``vllm:`` block and LoRA rank."""
         wanted = dtype if options.dtype == "auto" else options.dtype
-        return not self.closed and (self.model_path, self.options, self.dtype) == (model_path, options, wanted)
+        built = (self.model_path, self.options, self.dtype, self.max_lora_rank)
+        return not self.closed and built == (model_path, options, wanted, max_lora_rank)
 
     def close(self) -> None:
         """Shut the engine down and give its memory back. Safe to call twice.
@@ -441,6 +502,9 @@ class Engine:
             self.wake_up()  # vLLM frees sleeping (unmapped) allocations with a CUDA error
         llm, self.llm = self.llm, None
         _shutdown(llm)
+        if self._adapter_directory is not None:
+            self._adapter_directory.cleanup()
+        self.adapter_request = self._adapter_directory = None
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -516,9 +580,28 @@ def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16",
     re-run a training cell reuse it instead of starting (and leaking) another.
     """
     engine = live_engine()
-    if engine is not None and engine.serves(model_path, options, dtype):
+    if engine is not None and engine.serves(model_path, options, dtype, kwargs.get("max_lora_rank")):
         return engine
     return Engine(model_path, options, dtype=dtype, **kwargs)
+
+
+# The adapter ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM serves that holds a LoRA of ``rank`` (its buffers are padded to it)."""
+    for supported in VLLM_LORA_RANKS:
+        if supported >= rank:
+            return supported
+    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got {rank}.")
+
+
+def _lora_arguments(max_lora_rank: int | None) -> dict[str, Any]:
+    """vLLM's arguments for one served adapter: one slot on the device and one in host memory."""
+    if max_lora_rank is None:
+        return {}
+    return {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1, "max_cpu_loras": 1}
 
 
 def _shutdown(llm: Any) -> None:

@@ -27,16 +27,21 @@ class MetricsLog(TrainerCallback):
 
     Args:
         path: the JSONL file; created on the first event, parents included.
+
+    Attributes:
+        context: strings added to every event, such as ``served_as`` (how the engine serves the policy).
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.history: list[dict[str, Any]] = []
+        self.context: dict[str, str] = {}
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
         if not logs or not state.is_world_process_zero:
             return
-        event = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, int | float | str)}}
+        values = {k: v for k, v in logs.items() if isinstance(v, int | float | str)}
+        event = {"step": state.global_step, **self.context, **values}
         self.history.append(event)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:

@@ -7,6 +7,7 @@ are never touched, and no second copy of the model is made.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,10 +63,19 @@ class _Source:
 
 # Walking a PEFT model's modules costs milliseconds, as much as the copies of a sync: once per model.
 _sources_of: weakref.WeakKeyDictionary[torch.nn.Module, list[_Source]] = weakref.WeakKeyDictionary()
+_base_sources_of: weakref.WeakKeyDictionary[torch.nn.Module, list[_Source]] = weakref.WeakKeyDictionary()
 
 
-def _sources(model: torch.nn.Module) -> list[_Source]:
-    """The model's served tensors in parameter order (so fused groups q, k, v and gate, up arrive together)."""
+def _sources(model: torch.nn.Module, merge: bool = True) -> list[_Source]:
+    """The model's served tensors in parameter order (so fused groups q, k, v and gate, up arrive together).
+
+    With ``merge=False`` the LoRA layers' base weights are served as they are (the engine applies
+    the adapter itself), so nothing a sync sends changes in training.
+    """
+    if not merge:
+        if model not in _base_sources_of:
+            _base_sources_of[model] = [dataclasses.replace(s, layer=None) for s in _sources(model)]
+        return _base_sources_of[model]
     if model not in _sources_of:
         lora_layers = {name: module for name, module in model.named_modules() if isinstance(module, LoraLayer)}
         sources = []
@@ -188,25 +198,27 @@ class _InPlaceWrites:
         self.capture = _Capture(graph, include_frozen, adapters, reads, list(map(torch.Tensor.data_ptr, reads)))
 
 
-# Per engine model (vLLM's nn.Module), per trainer model (None: not writable in place): dropped with
-# the engine's model, so that the views into its parameters do not keep its memory alive after close().
-_WritesByModel = weakref.WeakKeyDictionary[torch.nn.Module, _InPlaceWrites | None]
+# Per engine model (vLLM's nn.Module), per trainer model, merged or not (None: not writable in place):
+# dropped with the engine's model, so that the views into its parameters do not keep its memory alive.
+_WritesByModel = weakref.WeakKeyDictionary[torch.nn.Module, dict[bool, _InPlaceWrites | None]]
 _writes_of: weakref.WeakKeyDictionary[torch.nn.Module, _WritesByModel] = weakref.WeakKeyDictionary()
 
 
-def _in_place_writes(model: torch.nn.Module, engine: Engine) -> _InPlaceWrites | None:
+def _in_place_writes(model: torch.nn.Module, engine: Engine, merge: bool) -> _InPlaceWrites | None:
     """The model's in-place writes into the engine, or None when the engine cannot take them."""
     if not engine.writes_in_place:
         return None
-    per_model = _writes_of.setdefault(engine.model, weakref.WeakKeyDictionary())
-    if model not in per_model:
-        sources = _sources(model)
+    per_model = _writes_of.setdefault(engine.model, weakref.WeakKeyDictionary()).setdefault(model, {})
+    if merge not in per_model:
+        sources = _sources(model, merge)
         views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
-        per_model[model] = None if views is None else _InPlaceWrites(sources, views)
-    return per_model[model]
+        per_model[merge] = None if views is None else _InPlaceWrites(sources, views)
+    return per_model[merge]
 
 
-def push_weights(model: torch.nn.Module, engine: Engine, stats: RetainedUpdate | None = None) -> None:
+def push_weights(
+    model: torch.nn.Module, engine: Engine, stats: RetainedUpdate | None = None, merge: bool = True
+) -> None:
     """Send the trainer's current (merged) weights to the engine and drop its prefix cache.
 
     On GPUs each merged weight is computed straight into the engine's parameter (its rows of a
@@ -217,11 +229,14 @@ def push_weights(model: torch.nn.Module, engine: Engine, stats: RetainedUpdate |
 
     Args:
         stats: filled with the retained-update statistics of this sync when given.
+        merge: merge each LoRA layer's adapter into its weight; False sends the base weights alone
+            (an engine that applies the adapter itself: :mod:`colocate_grpo.adapters`).
     """
     include_frozen = engine.state.weights not in (Weights.RESIDENT, Weights.OFFLOADED)
-    writes = _in_place_writes(model, engine)
+    writes = _in_place_writes(model, engine, merge)
     if writes is None:
-        engine.load_weights(merged_named_weights(model, stats, include_frozen))
+        sources = _to_send(_sources(model, merge), include_frozen)
+        engine.load_weights((source.name, source.value(stats)) for source in sources)
         return
     with engine.writing_weights():
         writes(include_frozen, stats)

@@ -165,7 +165,10 @@ def build_trainer(
             callbacks=[metrics, *(callbacks or [])],
             vllm_options=config.vllm,
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
+            serve_adapter=bool(config.trl.get("vllm_lora_sync")),
         )
+    metrics.context["served_as"] = trainer.served_as
+    print(f"Served as: {trainer.served_as}.")
     # transformers prints every metric per log (a table in notebooks); show a bar with the reward instead.
     # Only a notebook has transformers' notebook module loaded (it imports IPython, which the CLI may lack).
     notebook_progress = getattr(sys.modules.get("transformers.utils.notebook"), "NotebookProgressCallback", None)

@@ -21,8 +21,9 @@ import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
+from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.engine import Engine, Weights, shared_engine
+from colocate_grpo.engine import Engine, Weights, engine_lora_rank, shared_engine
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
 from colocate_grpo.memory_plan import MIN_NUM_SEQS
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
@@ -80,6 +81,13 @@ class MergeCheck:
         self.checks += 1
         self.log(metrics)
 
+    def report_adapter(self, mismatches: list[str]) -> None:
+        """Log whether the engine's LoRA buffers hold the trainer's factors bitwise (adapter serving)."""
+        if mismatches:
+            logger.error("vLLM does not serve the trained adapter for: %s", ", ".join(mismatches[:5]))
+        self.checks += 1
+        self.log({"lora_sync/served_equals_trained": float(not mismatches)})
+
 
 class ColocatedGeneration(VLLMGeneration):
     """TRL's colocated generation on our engine.
@@ -90,8 +98,11 @@ class ColocatedGeneration(VLLMGeneration):
     them, and wakes the KV cache while the device is still writing.
     """
 
-    def __init__(self, *args: Any, engine_factory: Callable[[VLLMGeneration], Engine], **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, engine_factory: Callable[[VLLMGeneration], Engine], serve_adapter: bool, **kwargs: Any
+    ) -> None:
         self._engine_factory = engine_factory
+        self.serve_adapter = serve_adapter
         self.merge_check: MergeCheck | None = None
         self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
@@ -112,11 +123,22 @@ class ColocatedGeneration(VLLMGeneration):
         with self.clock.phase("wake"):
             self.llm.wake_up(["weights"])
         with self.clock.phase("sync"):
-            push_weights(self.model, self.llm, stats)
+            if self.serve_adapter:
+                # The base weights go only where the engine lost them (a level-2 sleep), with its LoRA buffers.
+                base_lost = self.llm.state.weights is not Weights.RESIDENT
+                if base_lost:
+                    push_weights(self.model, self.llm, merge=False)
+                push_adapter(self.model, self.llm, clear=base_lost)
+            else:
+                push_weights(self.model, self.llm, stats)
             # Generation comes next and needs the KV cache. Waking it is the driver's work on the CPU: done
             # while the device still writes the weights, it takes no time of its own (bench/results/).
             self.llm.wake_up(["kv_cache"])
-        if check is not None:
+        if check is None:
+            return
+        if self.serve_adapter:
+            check.report_adapter(served_adapter_mismatches(self.model, self.llm))
+        else:
             check.report(stats, served_weight_mismatches(self.model, self.llm) if check.merge_aware else None)
 
     def generate(self, *args: Any, **kwargs: Any) -> tuple:
@@ -131,6 +153,11 @@ class ColocatedGeneration(VLLMGeneration):
         finally:
             with self.clock.phase("sleep"):
                 self.llm.sleep()
+
+
+def _largest_lora_rank(model: Any) -> int:
+    """The largest LoRA rank of a PEFT model's adapters (rank_pattern included)."""
+    return max(max([config.r, *config.rank_pattern.values()]) for config in model.peft_config.values())
 
 
 @contextlib.contextmanager
@@ -156,7 +183,10 @@ class ColocateGRPOTrainer(GRPOTrainer):
         engine: an engine to use. When None, the process's live engine is reused if it serves the
             same base model and ``vllm:`` block, else a new one is created.
         merge_check_interval: optimizer steps between retained-update checks (0: never); see
-            :class:`MergeCheck`.
+            :class:`MergeCheck`. With ``serve_adapter``, between checks that the engine holds the
+            trainer's LoRA factors bitwise.
+        serve_adapter: serve the LoRA adapter with vLLM's LoRA kernels (:mod:`colocate_grpo.adapters`)
+            instead of merged weights. Needs a PEFT LoRA model without merge-aware layers.
     """
 
     def __init__(
@@ -168,9 +198,17 @@ class ColocateGRPOTrainer(GRPOTrainer):
         vllm_options: VLLMConfig | None = None,
         engine: Engine | None = None,
         merge_check_interval: int = 50,
+        serve_adapter: bool = False,
         **kwargs: Any,
     ) -> None:
         options = vllm_options or VLLMConfig()
+        merge_aware = any(isinstance(m, MergeAwareLoraLinear) for m in model.modules())
+        if serve_adapter and (merge_aware or not hasattr(model, "peft_config")):
+            raise ValueError(
+                "serve_adapter needs a PEFT LoRA model with ordinary LoRA layers: merge-aware LoRA trains the merged "
+                "weights, which only a merged sync serves."
+            )
+        lora_rank = _largest_lora_rank(model) if serve_adapter else None
 
         def engine_factory(generation: VLLMGeneration) -> Engine:
             if engine is not None and not engine.closed:
@@ -187,15 +225,27 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 max_num_seqs=max(MIN_NUM_SEQS, generation.max_num_seqs or 0),
                 seed=args.seed,
                 trust_remote_code=generation.trust_remote_code,
+                max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
             )
 
-        with _generation_class(functools.partial(ColocatedGeneration, engine_factory=engine_factory)):
+        generation = functools.partial(ColocatedGeneration, engine_factory=engine_factory, serve_adapter=serve_adapter)
+        with _generation_class(generation):
             super().__init__(model, reward_funcs, args, **kwargs)
-        merge_aware = any(isinstance(m, MergeAwareLoraLinear) for m in self.model.modules())
         self.vllm_generation.merge_check = MergeCheck(
             merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._record_metrics
         )
         self.add_callback(PhaseMetrics(self.vllm_generation.clock, record=self._record_metrics))
+
+    @property
+    def served_as(self) -> str:
+        """How the engine serves the trained policy, in words: merged bf16, merge-aware, or adapter."""
+        if self.vllm_generation.serve_adapter:
+            return "adapter (vLLM's LoRA kernels on the base weights)"
+        if any(isinstance(m, MergeAwareLoraLinear) for m in self.model.modules()):
+            return "merge-aware (merged weights, bitwise what is trained)"
+        if hasattr(self.model, "peft_config"):
+            return "merged (LoRA merged into the weights, rounded to their dtype)"
+        return "weights (full fine-tuning)"
 
     def _record_metrics(self, metrics: dict[str, float]) -> None:
         """Add values to TRL's metrics: averaged into the next log, then written to every logger."""

@@ -51,6 +51,7 @@ def test_defaults_are_a_colocated_sleeping_engine():
         ({"lora_merge_aware": "fp16"}, torch.bfloat16, "fp16"),
         ({"peft_use_dora": True}, torch.bfloat16, None),  # where it does not apply, auto steps aside
         ({"adapter": None}, torch.bfloat16, None),
+        ({"trl": {"vllm_lora_sync": True}}, torch.bfloat16, None),  # the engine applies the adapter: no merge
     ],
 )
 def test_lora_is_merge_aware_by_default_where_it_applies(raw, dtype, mode):
@@ -79,7 +80,12 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"lora_merge_aware": "bf16", "peft_use_dora": True}, ["'peft_use_dora: true'", "Remove"]),
         ({"lora_merge_aware": "bf16", "load_in_4bit": True}, ["'load_in_4bit: true'"]),
         ({"lora_merge_aware": "bf16", "trl": {"vllm_lora_sync": True}}, ["'trl.vllm_lora_sync: true'"]),
-        ({"trl": {"vllm_lora_sync": True}}, ["cannot be used in colocate mode"]),
+        ({"adapter": None, "trl": {"vllm_lora_sync": True}}, ["full fine-tuning has none", "'adapter: lora'"]),
+        ({"peft_use_dora": True, "trl": {"vllm_lora_sync": True}}, ["cannot serve DoRA", "'peft_use_dora'"]),
+        (
+            {"lora_target_linear": False, "lora_target_modules": ["lm_head"], "trl": {"vllm_lora_sync": True}},
+            ["'lora_target_modules' lists lm_head", "remove them"],
+        ),
         ({"trl": {"vllm_mode": "server"}}, ["'trl.vllm_mode: server' is not supported"]),
         ({"trl": {"vllm_server_host": "0.0.0.0"}}, ["server-mode setting"]),
         ({"trl": {"vllm_sync_interval": 5}}, ["'trl.vllm_sync_interval' is not supported"]),
