@@ -7,6 +7,7 @@
 #   bash bench/gpu.sh bench 1.5B [KIND..] stock TRL against ours at one shape (bench/sync_vs_trl.py), e.g.
 #                                         bench 7B stock ours-ma (default: every kind)
 #   bash bench/gpu.sh generate 1.5B       generation under stock TRL's engine settings and ours (bench/generate_speed.py)
+#   bash bench/gpu.sh frontier 1.5B 7B    the smallest simulated card each way of serving runs on (bench/memory_frontier.py)
 #   bash bench/gpu.sh push 1.5B           where a sync's push spends its time (bench/profile_push.py)
 #   bash bench/gpu.sh kernel              merge-kernel tiles and warps at both shapes (bench/merge_kernel_variants.py)
 #   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
@@ -17,8 +18,8 @@
 set -u
 case ${1:-} in
 tests | kernel | copies | lora | memory) ;;
-bench | push | generate) [ $# -ge 2 ] || { sed -n '2,16p' "$0"; exit 2; } ;;
-*) sed -n '2,16p' "$0"; exit 2 ;;
+bench | push | generate | frontier) [ $# -ge 2 ] || { sed -n '2,17p' "$0"; exit 2; } ;;
+*) sed -n '2,17p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -64,6 +65,11 @@ bench)
   python3 bench/sync_vs_trl.py --shapes "$2" ${3:+--kinds ${*:3}} --models "$models" --out "$out/$name.json" \
     > "$out/$name.txt" 2>&1
   tail -25 "$out/$name.txt"
+  ;;
+frontier)
+  name=$(fresh memory_frontier)
+  python3 bench/memory_frontier.py --shapes "${@:2}" --models "$models" --out "$out/$name.json" > "$out/$name.txt" 2>&1
+  tail -30 "$out/$name.txt"
   ;;
 generate)
   name=$(fresh "generate_speed_$2")

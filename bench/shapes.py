@@ -25,4 +25,12 @@ QWEN25 = {
         num_key_value_heads=4,
         vocab_size=152064,
     ),
+    "14B": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    ),
 }

@@ -2,7 +2,8 @@
 
 Trainers: stock TRL (``stock``); ``user``, colocate_grpo as a user runs it: ``build_trainer`` with
 the plain config a user would write (model, dataset, reward, batch keys, nothing else: every other
-setting is a default); colocate_grpo with the same ordinary PEFT LoRA (``ours``),
+setting is a default; ``user-merged``, ``user-adapter`` and ``user-4bit`` add the one key that serves the
+policy another way: ``USER_SERVING``); colocate_grpo with the same ordinary PEFT LoRA (``ours``),
 and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
 ``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch; ``ours-adapter``
 is ``ours`` with the adapter served by vLLM's LoRA kernels (``serve_adapter``) instead of merged. Each
@@ -205,11 +206,24 @@ def pool_layout() -> dict[str, list[int]]:
     return {tag: [count, round(size / 2**30, 3)] for tag, (count, size) in layout.items()}
 
 
-def user_config(model_path: str, prompts: list[str], steps: int, tiny: bool, directory: Path) -> dict:
-    """The config a user writes for this run: model, dataset, reward and batch keys, all else default."""
+# The user's kinds: the plain config, and the one key a user sets to serve the policy another way.
+USER_SERVING = {
+    "user": {},
+    "user-merged": {"lora_merge_aware": None},
+    "user-adapter": {"trl": {"vllm_lora_sync": True}},
+    "user-4bit": {"load_in_4bit": True, "trl": {"vllm_lora_sync": True}},
+}
+
+
+def user_config(
+    model_path: str, prompts: list[str], steps: int, tiny: bool, directory: Path, kind: str = "user"
+) -> dict:
+    """The config a user writes for this run: model, dataset, reward and batch keys, all else default
+    (plus, for ``user-*`` kinds, the key that picks how the policy is served: ``USER_SERVING``)."""
     directory.mkdir(parents=True, exist_ok=True)
     data = directory / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    serving = USER_SERVING[kind]
     return {
         "base_model": model_path,
         "output_dir": str(directory / "run"),
@@ -217,10 +231,12 @@ def user_config(model_path: str, prompts: list[str], steps: int, tiny: bool, dir
         "dataset": {"path": str(data), "chat": False},
         "micro_batch_size": 64,
         "max_steps": steps,
+        **{key: value for key, value in serving.items() if key != "trl"},
         "trl": {
             "reward_funcs": ["sync_vs_trl.diversity_reward"],
             "num_generations": 8,
             "max_completion_length": 4 if tiny else 256,
+            **serving.get("trl", {}),
         },
     }
 
@@ -247,6 +263,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
     from colocate_grpo.trainer import ColocateGRPOTrainer
 
     cuda = torch.cuda.is_available()
+    device_total = torch.cuda.mem_get_info()[1] if cuda else 0
     taken = take_device_memory(card_gib) if card_gib else None  # noqa: F841 (held for the run)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rng = random.Random(0)
@@ -277,14 +294,15 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
         use_vllm=True,
         vllm_mode="colocate",
         vllm_enable_sleep_mode=True,
-        vllm_gpu_memory_utilization=0.1 if tiny else 0.3,
+        # TRL's fraction is of the whole device: on a simulated card, the same fraction of the card.
+        vllm_gpu_memory_utilization=(0.1 if tiny else 0.3) * (card_gib * 2**30 / device_total if card_gib else 1),
         vllm_max_model_length=max_model_len,
         seed=0,
     )
-    if kind == "user":
+    if kind in USER_SERVING:
         from colocate_grpo.train import build_trainer
 
-        config = user_config(model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"))
+        config = user_config(model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"), kind)
         trainer = build_trainer(config)
         model = trainer.model
     else:
@@ -303,7 +321,7 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
     )
     if kind == "stock":
         trainer = GRPOTrainer(**common)
-    elif kind != "user":
+    elif kind not in USER_SERVING:
         # CUDA graphs on, as stock TRL's engine has them.
         options = VLLMConfig(
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,

@@ -477,6 +477,18 @@ def _check_combinations(c: Config) -> None:
                     "LoRA needs plain LoRA on an unquantized base whose merged weights are what vLLM serves. "
                     f"Remove '{key}' or 'lora_merge_aware'."
                 )
+    if c.trl.get("cast_lm_head_to_fp32"):
+        if c.adapter is None:
+            raise ConfigError(
+                "'trl.cast_lm_head_to_fp32: true' with full fine-tuning would train an fp32 head, and vLLM holds the "
+                "head in the model's dtype (it computes the logits in fp32 from it): use 'adapter: lora', or remove "
+                "'trl.cast_lm_head_to_fp32'."
+            )
+        if "lm_head" in (c.lora_target_modules or []):
+            raise ConfigError(
+                "'trl.cast_lm_head_to_fp32: true' needs a head without LoRA: remove lm_head from "
+                "'lora_target_modules', or remove 'trl.cast_lm_head_to_fp32'."
+            )
     if c.trl.get("vllm_lora_sync"):
         if c.adapter is None:
             raise ConfigError(

@@ -139,9 +139,15 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
         )
     time_ax.legend(loc="upper right", fontsize="small")
 
-    mismatch_ax.plot(*_series(history, "sampling/sampling_logp_difference/mean"), color="#cb181d", label="mean")
+    mismatch_steps, mismatch = _series(history, "sampling/sampling_logp_difference/mean")
+    mismatch_ax.plot(mismatch_steps, mismatch, color="#cb181d", alpha=0.5, label="mean")
+    if mismatch:
+        window = max(1, len(mismatch) // 10)
+        mismatch_ax.plot(
+            mismatch_steps, _rolling_mean(mismatch, window), color="#67000d", label=f"mean, running over {window}"
+        )
     mismatch_ax.plot(
-        *_series(history, "sampling/sampling_logp_difference/max"), color="#cb181d", alpha=0.35, label="max"
+        *_series(history, "sampling/sampling_logp_difference/max"), color="#cb181d", alpha=0.25, label="max"
     )
     mismatch_ax.set(title="|logprob vLLM - logprob trainer|", xlabel="step", yscale="log")
     mismatch_ax.legend(loc="upper right", fontsize="small")
@@ -197,7 +203,12 @@ def summary(history: list[dict[str, Any]]) -> str:
         )
     mismatch = _series(history, "sampling/sampling_logp_difference/mean")[1]
     if mismatch:
-        lines.append(f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}")
+        first, last = first_and_last_tenth(mismatch)
+        trend = "grew" if last > 1.1 * first else "did not grow"
+        lines.append(
+            f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}; first tenth {first:.4f}, last "
+            f"tenth {last:.4f} ({trend} by more than 10%)"
+        )
     retained = _series(history, "lora_merge/retained")[1]
     exact = _series(history, "lora_merge/served_equals_trained")[1]
     adapter = _series(history, "lora_sync/served_equals_trained")[1]

@@ -91,6 +91,8 @@ class Engine:
         seed: sampling seed; the caller's global RNG states are preserved across engine creation.
         max_lora_rank: serve one LoRA adapter of at most this rank with vLLM's LoRA kernels (a rank
             vLLM supports, see ``VLLM_LORA_RANKS``); None serves the weights alone.
+        fp32_head: compute the logits in fp32 from the head's weights (``head_dtype: float32``), as the
+            trainer does with TRL's ``cast_lm_head_to_fp32``.
 
     Only one engine lives in a process: creating a second closes the first (vLLM
     allows one sleep-enabled engine per process).
@@ -106,6 +108,7 @@ class Engine:
         quantization: str | None = None,
         trust_remote_code: bool = False,
         max_lora_rank: int | None = None,
+        fp32_head: bool = False,
     ) -> None:
         global _live_engine
         previous = live_engine()
@@ -117,6 +120,7 @@ class Engine:
         self.model_path = model_path
         self.dtype = dtype if options.dtype == "auto" else options.dtype
         self.max_lora_rank = max_lora_rank
+        self.fp32_head = fp32_head
         self.adapter_request: Any = None  # vLLM's LoRARequest once an adapter is loaded (load_adapter)
         self._adapter_directory: tempfile.TemporaryDirectory | None = None
         self.cpu = on_cpu()
@@ -157,6 +161,7 @@ class Engine:
                 seed=seed,
                 kv_cache_memory_bytes=kv_cache_bytes,
                 **_lora_arguments(max_lora_rank),
+                **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
         # vLLM computes from packed copies on this CPU (see _plain_cpu_linears): only its reload repacks them.
@@ -248,6 +253,26 @@ class Engine:
             with _without_vllms_cleanup(), hidden:
                 llm.sleep(level=level)
         self._state = EngineState(Weights.OFFLOADED if level == 1 else Weights.DISCARDED, kv_cache_awake=False)
+
+    @property
+    def can_sleep_kv_cache_alone(self) -> bool:
+        """Whether the KV cache can sleep while the weights stay (see :meth:`sleep_kv_cache`).
+
+        True without sleep mode (CPU), where sleeping frees nothing. Not yet on GPUs: vLLM's sleep
+        releases the weights with the KV cache, and releasing the KV cache alone is not built.
+        """
+        return not self.sleep_mode
+
+    def sleep_kv_cache(self) -> None:
+        """Let the KV cache sleep and keep the weights resident: the trainer may be sharing them.
+
+        Raises:
+            EngineStateError: where the KV cache cannot sleep alone (:attr:`can_sleep_kv_cache_alone`).
+        """
+        self._require_open()
+        if not self.can_sleep_kv_cache_alone:
+            raise EngineStateError("This engine cannot release its KV cache alone (vLLM's sleep mode on a GPU).")
+        self._state = EngineState(self._state.weights, kv_cache_awake=False)
 
     def _save_buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The engine model's buffers (rotary tables, attention scales) and copies of them on the device,
@@ -483,11 +508,23 @@ class Engine:
         return self._require_open().llm_engine
 
     # --- lifetime ----------------------------------------------------------------------------
-    def serves(self, model_path: str, options: VLLMConfig, dtype: str, max_lora_rank: int | None = None) -> bool:
-        """True when this open engine was built for that base model, dtype, ``vllm:`` block and LoRA rank."""
+    def serves(
+        self,
+        model_path: str,
+        options: VLLMConfig,
+        dtype: str,
+        max_lora_rank: int | None = None,
+        fp32_head: bool = False,
+    ) -> bool:
+        """True when this open engine was built for that base model, dtype, ``vllm:`` block, LoRA rank and head."""
         wanted = dtype if options.dtype == "auto" else options.dtype
-        built = (self.model_path, self.options, self.dtype, self.max_lora_rank)
-        return not self.closed and built == (model_path, options, wanted, max_lora_rank)
+        built = (self.model_path, self.options, self.dtype, self.max_lora_rank, self.fp32_head)
+        return not self.closed and built == (model_path, options, wanted, max_lora_rank, fp32_head)
+
+    @property
+    def head_dtype(self) -> torch.dtype:
+        """The dtype the engine computes its logits in (vLLM's ``model_config.head_dtype``)."""
+        return self._require_open().llm_engine.vllm_config.model_config.head_dtype
 
     def close(self) -> None:
         """Shut the engine down and give its memory back. Safe to call twice.
@@ -580,7 +617,9 @@ def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16",
     re-run a training cell reuse it instead of starting (and leaking) another.
     """
     engine = live_engine()
-    if engine is not None and engine.serves(model_path, options, dtype, kwargs.get("max_lora_rank")):
+    if engine is not None and engine.serves(
+        model_path, options, dtype, kwargs.get("max_lora_rank"), kwargs.get("fp32_head", False)
+    ):
         return engine
     return Engine(model_path, options, dtype=dtype, **kwargs)
 

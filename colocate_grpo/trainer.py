@@ -20,6 +20,7 @@ from typing import Any
 import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
+from trl.trainer.utils import add_fused_lm_head
 
 from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
 from colocate_grpo.config import VLLMConfig
@@ -27,6 +28,7 @@ from colocate_grpo.engine import Engine, Weights, engine_lora_rank, shared_engin
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
 from colocate_grpo.memory_plan import MIN_NUM_SEQS
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
+from colocate_grpo.shared_base import share_base_weights
 from colocate_grpo.sync import push_weights, served_weight_mismatches
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class ColocatedGeneration(VLLMGeneration):
     ) -> None:
         self._engine_factory = engine_factory
         self.serve_adapter = serve_adapter
+        self.shared_base_bytes = 0  # the trainer's base weights given up for the engine's (shared_base.py)
         self.merge_check: MergeCheck | None = None
         self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
@@ -111,7 +114,22 @@ class ColocatedGeneration(VLLMGeneration):
     def _init_vllm(self) -> None:
         self.llm: Engine = self._engine_factory(self)
         self.clock.pools = self.llm.pool_bytes
-        self.llm.sleep()
+        if self.serve_adapter and self.llm.can_sleep_kv_cache_alone:
+            push_weights(self.model, self.llm, merge=False)  # from here the engine holds exactly the trainer's base
+            self.shared_base_bytes = share_base_weights(self.model, self.llm)
+        self._sleep()
+
+    @property
+    def shares_base(self) -> bool:
+        """Whether the trainer's base weights are the engine's (one copy; a sync sends only the adapter)."""
+        return self.shared_base_bytes > 0
+
+    def _sleep(self) -> None:
+        """The engine's sleep between generations: the KV cache alone while the base weights are shared."""
+        if self.shares_base:
+            self.llm.sleep_kv_cache()
+        else:
+            self.llm.sleep()
 
     @property
     def engine(self) -> Engine:
@@ -126,7 +144,7 @@ class ColocatedGeneration(VLLMGeneration):
             if self.serve_adapter:
                 # The base weights go only where the engine lost them (a level-2 sleep), with its LoRA buffers.
                 base_lost = self.llm.state.weights is not Weights.RESIDENT
-                if base_lost:
+                if base_lost and not self.shares_base:  # shared weights are written by nobody, ever
                     push_weights(self.model, self.llm, merge=False)
                 push_adapter(self.model, self.llm, clear=base_lost)
             else:
@@ -152,7 +170,7 @@ class ColocatedGeneration(VLLMGeneration):
                 return super().generate(*args, **kwargs)
         finally:
             with self.clock.phase("sleep"):
-                self.llm.sleep()
+                self._sleep()
 
 
 def _largest_lora_rank(model: Any) -> int:
@@ -187,6 +205,11 @@ class ColocateGRPOTrainer(GRPOTrainer):
             trainer's LoRA factors bitwise.
         serve_adapter: serve the LoRA adapter with vLLM's LoRA kernels (:mod:`colocate_grpo.adapters`)
             instead of merged weights. Needs a PEFT LoRA model without merge-aware layers.
+
+    ``args.cast_lm_head_to_fp32`` computes the logits in fp32 on both sides: the engine with vLLM's
+    fp32 head, the trainer with TRL's fused head in fp32. Both read the head's weights in the
+    model's dtype: the trainer's head is not cast to an fp32 copy, so tied heads work too, and the
+    sync sends what the engine already computes with.
     """
 
     def __init__(
@@ -209,6 +232,9 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 "weights, which only a merged sync serves."
             )
         lora_rank = _largest_lora_rank(model) if serve_adapter else None
+        # TRL's cast makes the head an fp32 copy (with PEFT it fails on tied heads); its fused head alone, added
+        # below, computes in fp32 from the weights as they are.
+        fp32_head, args.cast_lm_head_to_fp32 = args.cast_lm_head_to_fp32, False
 
         def engine_factory(generation: VLLMGeneration) -> Engine:
             if engine is not None and not engine.closed:
@@ -226,11 +252,25 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 seed=args.seed,
                 trust_remote_code=generation.trust_remote_code,
                 max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
+                fp32_head=fp32_head,
             )
 
         generation = functools.partial(ColocatedGeneration, engine_factory=engine_factory, serve_adapter=serve_adapter)
-        with _generation_class(generation):
-            super().__init__(model, reward_funcs, args, **kwargs)
+        try:
+            with _generation_class(generation):
+                super().__init__(model, reward_funcs, args, **kwargs)
+        finally:
+            args.cast_lm_head_to_fp32 = fp32_head
+        if fp32_head:
+            # TRL's fused head, again, in fp32: it wraps the one TRL added, which other calls still reach.
+            add_fused_lm_head(
+                self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
+                temperature=self.temperature,
+                cast_lm_head_to_fp32=True,
+                outputs=("log_probs", "entropy"),
+            )
+            if self.ref_model is not None:
+                add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=True)
         self.vllm_generation.merge_check = MergeCheck(
             merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._record_metrics
         )
@@ -239,6 +279,13 @@ class ColocateGRPOTrainer(GRPOTrainer):
     @property
     def served_as(self) -> str:
         """How the engine serves the trained policy, in words: merged bf16, merge-aware, or adapter."""
+        head = "; logits in fp32 on both sides" if self.engine.fp32_head else ""
+        return self._served_weights + head
+
+    @property
+    def _served_weights(self) -> str:
+        if self.vllm_generation.shares_base:
+            return "adapter (vLLM's LoRA kernels on the base weights, one copy shared with the trainer)"
         if self.vllm_generation.serve_adapter:
             return "adapter (vLLM's LoRA kernels on the base weights)"
         if any(isinstance(m, MergeAwareLoraLinear) for m in self.model.modules()):

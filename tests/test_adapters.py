@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 import colocate_grpo.adapters as adapters
 from colocate_grpo.adapters import served_adapter_mismatches
 from colocate_grpo.config import load_config
-from colocate_grpo.engine import EngineStateError, Weights, engine_lora_rank
+from colocate_grpo.engine import Engine, EngineStateError, Weights, engine_lora_rank
 from colocate_grpo.lora import MergeAwareLoraLinear
 from colocate_grpo.train import build_trainer, default_config_path, train
 
@@ -43,10 +43,19 @@ def test_engine_rank_is_one_vllm_serves():
     assert [engine_lora_rank(r) for r in (1, 2, 8, 12, 16, 17, 64)] == [1, 8, 8, 16, 16, 32, 64]
 
 
-def test_every_sync_writes_the_trainers_factors_bitwise(tmp_path):
+@pytest.fixture(params=["shared", "own"])
+def base_weights(request, monkeypatch):
+    """Adapter serving on the engine's base weights shared with the trainer, and on two copies (as on GPUs)."""
+    if request.param == "own":
+        monkeypatch.setattr(Engine, "can_sleep_kv_cache_alone", property(lambda self: False))
+    return request.param
+
+
+def test_every_sync_writes_the_trainers_factors_bitwise(tmp_path, base_weights):
     trainer = build_trainer(adapter_config(tmp_path))
     try:
         assert trainer.served_as.startswith("adapter")
+        assert trainer.vllm_generation.shares_base is (base_weights == "shared")
         assert not any(isinstance(m, MergeAwareLoraLinear) for m in trainer.model.modules())
         generation, engine = trainer.vllm_generation, trainer.engine
         for seed in range(3):

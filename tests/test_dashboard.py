@@ -50,7 +50,7 @@ def test_figure_shows_each_series():
     assert [c.get_label() for c in time_ax.collections] == list(PHASES)
     train_area = time_ax.collections[-1].get_paths()[0].vertices
     assert abs(train_area[:, 1].max() - sum(0.1 * (i + 1) for i in range(len(PHASES)))) < 1e-9  # stacked
-    assert set(lines_by_label(mismatch_ax)) == {"mean", "max"}
+    assert set(lines_by_label(mismatch_ax)) == {"mean", "mean, running over 2", "max"}
 
 
 def test_a_slow_first_step_does_not_flatten_the_others():
@@ -84,6 +84,24 @@ def test_summary_fits_one_screen_and_says_what_matters():
     assert "update vLLM serves (last check): 0.32" in text
     assert "equal the trained ones at 4 of 4 checks" in summary(synthetic_history(merge_aware=True))
     assert summary([]) == "No steps logged."
+
+
+def test_summary_and_figure_say_whether_the_mismatch_grew_and_how_the_run_is_served():
+    flat = synthetic_history()
+    assert "(did not grow by more than 10%)" in summary(flat)
+    growing = synthetic_history()
+    for event in growing:
+        event["sampling/sampling_logp_difference/mean"] = 0.005 * (1 + 0.05 * event["step"])
+        event["served_as"] = "adapter (vLLM's LoRA kernels on the base weights)"
+        if "lora_merge/retained" in event:
+            del event["lora_merge/retained"]
+            event["lora_sync/served_equals_trained"] = 1.0
+    text = summary(growing)
+    assert "(grew by more than 10%)" in text and "Served as: adapter" in text
+    assert "Served adapter: equal to the trained factors at 4 of 4 checks" in text
+    mismatch_ax = draw(growing).axes[5]
+    assert "mean, running over 2" in lines_by_label(mismatch_ax)
+    assert draw(growing).axes[2].get_title() == "Served adapter"
 
 
 def test_png_writer_throttles_and_always_writes_at_the_end(tmp_path):

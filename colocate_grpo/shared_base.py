@@ -1,0 +1,57 @@
+"""One copy of the base weights: the trainer's frozen weights become views of the engine's parameters.
+
+When the engine serves the adapter (:mod:`colocate_grpo.adapters`), the base weights it computes
+with never change, and neither do the trainer's: both hold the same bf16 tensors from the same
+checkpoint. Sharing makes the trainer's frozen parameters (q/k/v and gate/up as row views of vLLM's
+fused ones, the embedding as the first rows of its padded one, a tied head with it) point at the
+engine's memory, and the trainer's own copy is freed. A sync then sends only the adapter.
+
+Nothing may write the shared tensors: the trainer never updates frozen weights, and the engine
+keeps them resident (its KV cache sleeps alone, ``Engine.sleep_kv_cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colocate_grpo.engine import Engine
+from colocate_grpo.sync import hf_name
+
+
+def frozen_base(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's frozen parameters outside its LoRA factors, by Hugging Face name (a tied head once)."""
+    return {
+        hf_name(name): param
+        for name, param in model.named_parameters()
+        if not param.requires_grad and ".lora_" not in name
+    }
+
+
+@torch.no_grad()
+def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
+    """Point the trainer's frozen base weights at the engine's parameters; returns the bytes freed.
+
+    Nothing is shared (0 is returned) where the engine's parameters do not map onto the trainer's
+    tensors (``Engine.parameter_views``), or where some tensor differs from the engine's, bitwise:
+    then the two sides do not hold the same weights, and sharing would change what is trained.
+    """
+    base = frozen_base(model)
+    views = engine.parameter_views({name: tuple(param.shape) for name, param in base.items()})
+    if views is None:
+        return 0
+    for name, param in base.items():
+        rows = views[name].rows
+        if rows.dtype != param.dtype or rows.device != param.device or not torch.equal(rows, param):
+            return 0
+    freed = 0
+    for name, param in base.items():
+        freed += param.nbytes
+        param.data = views[name].rows
+    return freed
+
+
+def shares_base_weights(model: torch.nn.Module, engine: Engine) -> bool:
+    """Whether every frozen base weight of the trainer lives in the engine's parameters' memory."""
+    engine_storages = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
+    base = frozen_base(model)
+    return bool(base) and all(p.untyped_storage().data_ptr() in engine_storages for p in base.values())

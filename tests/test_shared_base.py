@@ -1,0 +1,96 @@
+"""One copy of the base weights: with the adapter served, the trainer's frozen weights are the engine's."""
+
+import pytest
+import torch
+from test_interrupts import InterruptTraining, interrupt_generation
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+import colocate_grpo.adapters as adapters
+from colocate_grpo.config import load_config
+from colocate_grpo.engine import Weights
+from colocate_grpo.shared_base import frozen_base, shares_base_weights
+from colocate_grpo.sync import hf_name
+from colocate_grpo.train import build_trainer, default_config_path, train
+
+# Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
+
+
+def shared_config(tmp_path, **overrides):
+    raw = load_config(default_config_path()).to_dict()
+    raw.update({"output_dir": str(tmp_path / "run"), "max_steps": 3, "micro_batch_size": 16, **overrides})
+    raw["trl"].update({"vllm_lora_sync": True, "vllm_merge_check_interval": 1})
+    return load_config(raw)
+
+
+def checkpoint_base(trainer):
+    """The base weights as the checkpoint holds them, in the training dtype, by Hugging Face name."""
+    path = trainer.model.get_base_model().name_or_path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return {hf_name(name): p for name, p in model.named_parameters()}
+
+
+def assert_base_is_the_checkpoints(trainer, reference):
+    base = frozen_base(trainer.model)
+    assert base.keys() <= reference.keys()
+    for name, param in base.items():
+        assert torch.equal(param.cpu(), reference[name]), name
+
+
+def test_the_trainer_computes_with_the_engines_base_weights(tmp_path):
+    trainer = build_trainer(shared_config(tmp_path))
+    generation = trainer.vllm_generation
+    assert shares_base_weights(trainer.model, trainer.engine)
+    assert generation.shared_base_bytes == sum(p.nbytes for p in frozen_base(trainer.model).values())
+    assert "one copy shared" in trainer.served_as
+    reference = checkpoint_base(trainer)
+    trainer.train()
+    # The engine's KV cache slept alone between generations: the weights stayed, nothing was pushed but the adapter.
+    assert trainer.engine.state.weights is Weights.RESIDENT and not trainer.engine.state.kv_cache_awake
+    assert shares_base_weights(trainer.model, trainer.engine)
+    assert_base_is_the_checkpoints(trainer, reference)
+    assert trainer.metrics.series("lora_sync/served_equals_trained") == [(1, 1.0), (2, 1.0), (3, 1.0)]
+
+
+def interrupt_adapter_sync(monkeypatch):
+    """Ctrl-C in the second adapter write, after two layers' A were written."""
+    calls, write = [], adapters.AdapterWrites.__call__
+
+    def interrupted(writes, clear):
+        calls.append(1)
+        if len(calls) == 2:
+            first = writes.views[:2]
+            torch._foreach_copy_([v.a for v in first], [v.layer.lora_A["default"].weight for v in first])
+            raise KeyboardInterrupt
+        return write(writes, clear)
+
+    monkeypatch.setattr(adapters.AdapterWrites, "__call__", interrupted)
+
+
+@pytest.mark.parametrize("phase", ["generate", "sync", "train"])
+def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_resume(tmp_path, monkeypatch, phase):
+    config = shared_config(tmp_path, max_steps=3, save_steps=1)
+    trainer = build_trainer(config, callbacks=[InterruptTraining()] if phase == "train" else None)
+    if phase == "generate":
+        interrupt_generation(trainer, monkeypatch)
+    elif phase == "sync":
+        interrupt_adapter_sync(monkeypatch)
+    reference = checkpoint_base(trainer)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert not trainer.engine.state.ready, trainer.engine.state
+    assert_base_is_the_checkpoints(trainer, reference)
+    monkeypatch.undo()
+
+    at_end = []
+
+    class BaseAtEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            at_end.append({name: p.detach().cpu().clone() for name, p in frozen_base(model).items()})
+
+    resumed = train(
+        shared_config(tmp_path, max_steps=3, save_steps=1, resume_from_checkpoint="latest"), callbacks=[BaseAtEnd()]
+    )
+    assert [step for step, _ in resumed.metrics.series("reward")][-1] == 3
+    assert all(value == 1.0 for _, value in resumed.metrics.series("lora_sync/served_equals_trained"))
+    assert at_end and all(torch.equal(p, reference[name]) for name, p in at_end[0].items())
