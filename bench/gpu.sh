@@ -55,7 +55,9 @@ tests)
   python3 -m pytest -q -p no:cacheprovider tests/test_engine.py > "$out/pytest_engine.txt" 2>&1
   python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/test_sync.py tests/test_end_to_end.py \
     tests/test_interrupts.py > "$out/pytest.txt" 2>&1
-  tail -3 "$out/pytest_engine.txt" "$out/pytest.txt"
+  # Adapter serving starts its engine with LoRA support: a process of its own.
+  python3 -m pytest -q -p no:cacheprovider tests/test_adapters.py > "$out/pytest_adapters.txt" 2>&1
+  tail -3 "$out/pytest_engine.txt" "$out/pytest.txt" "$out/pytest_adapters.txt"
   model 1.5B
   python3 bench/profile_sleep_wake.py "$models/1.5B" > "$out/profile_sleep_wake_1.5B.txt" 2>&1
   grep -a -E "pool|allocates|gc.collect|Error" "$out/profile_sleep_wake_1.5B.txt"
