@@ -47,6 +47,8 @@ class AdapterWrites:
         packed = getattr(engine.model, "packed_modules_mapping", None) or {}
         self.views: list[_FactorViews] = []
         self.buffers: list[torch.Tensor] = []  # every LoRA buffer of the engine, all slots
+        # The engine's slot may hold another trainer's adapter (a reused engine), with slices this one leaves out.
+        self.cleared = False
         for module_name, module in engine_layers.items():
             prefix, _, leaf = module_name.rpartition(".")
             a_stacked, b_stacked = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
@@ -87,9 +89,13 @@ class AdapterWrites:
 
     @torch.no_grad()
     def __call__(self, clear: bool) -> None:
-        """Write every layer's factors; ``clear`` zeroes all LoRA buffers first (after they were lost)."""
-        if clear:
+        """Write every layer's factors; ``clear`` zeroes all LoRA buffers first (after they were lost).
+
+        The first write of these views always clears.
+        """
+        if clear or not self.cleared:
             torch._foreach_zero_(self.buffers)
+            self.cleared = True
         factors = [lora_factors(view.layer) for view in self.views]
         if any(f is None for f in factors):
             raise ValueError("An adapter was disabled or merged since the engine loaded it; cannot serve it.")

@@ -134,3 +134,23 @@ def test_resume_serves_the_checkpoints_adapter_at_the_first_step(tmp_path):
     # Step 3's sync, before its update, wrote the checkpoint's factors: checked bitwise there.
     assert resumed.metrics.series("lora_sync/served_equals_trained") == [(3, 1.0)]
     assert [step for step, _ in resumed.metrics.series("reward")] == [3]
+
+
+def test_a_reused_engine_serves_only_the_new_trainers_adapter(tmp_path):
+    first = build_trainer(adapter_config(tmp_path / "first"))
+    perturb_adapter(first.model, 4)
+    first.vllm_generation.sync_weights()
+    # The next trainer reuses the engine and adapts q and v only: the rest must not keep the first's factors.
+    second = build_trainer(
+        adapter_config(tmp_path / "second", lora_target_linear=False, lora_target_modules=["q_proj", "v_proj"])
+    )
+    assert second.engine is first.engine
+    perturb_adapter(second.model, 5)
+    second.vllm_generation.sync_weights()
+    assert served_adapter_mismatches(second.model, second.engine) == []
+    layers, slot = second.engine.lora_layers()
+    qkv, o_proj = layers["model.layers.0.self_attn.qkv_proj"], layers["model.layers.0.self_attn.o_proj"]
+    assert qkv.lora_a_stacked[0][slot].any() and qkv.lora_a_stacked[2][slot].any()  # q and v
+    assert not qkv.lora_a_stacked[1][slot].any() and not qkv.lora_b_stacked[1][slot].any()  # k
+    assert not o_proj.lora_a_stacked[0][slot].any() and not o_proj.lora_b_stacked[0][slot].any()
+    second.engine.sleep()
