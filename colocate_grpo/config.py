@@ -137,8 +137,12 @@ class Config:
         },
     )
     peft_use_dora: bool = field(default=False, metadata={"help": "DoRA adapters (not with lora_merge_aware)."})
-    load_in_4bit: bool = field(default=False, metadata={"help": "bitsandbytes 4-bit base (QLoRA)."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "bitsandbytes 8-bit base."})
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes 4-bit base (QLoRA); refused until the engine can serve it."}
+    )
+    load_in_8bit: bool = field(
+        default=False, metadata={"help": "bitsandbytes 8-bit base (refused: vLLM cannot serve it colocated)."}
+    )
 
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
@@ -451,13 +455,19 @@ def _check_combinations(c: Config) -> None:
         raise ConfigError("Set either 'lora_target_linear: true' or 'lora_target_modules', not both.")
     if c.load_in_4bit and c.load_in_8bit:
         raise ConfigError("Set at most one of 'load_in_4bit' and 'load_in_8bit'.")
-    for key, on in [("load_in_4bit", c.load_in_4bit), ("load_in_8bit", c.load_in_8bit)]:
-        if on:
-            raise ConfigError(
-                f"'{key}: true' is not supported yet: the colocated engine serves merged bf16 weights, and a "
-                "quantized base cannot be merged into them. Remove it and train a bf16 base with LoRA (the memory "
-                "plan printed at start says whether it fits), or pick a smaller base_model."
-            )
+    if c.load_in_8bit:
+        raise ConfigError(
+            "'load_in_8bit: true' cannot be served in colocate mode: vLLM has no in-flight 8-bit quantization of a "
+            "base (TRL's colocated engine refuses it too), so the engine could not hold what the trainer trains. "
+            "Remove it and train a bf16 base with LoRA (the memory plan printed at start says whether it fits), or "
+            "pick a smaller base_model."
+        )
+    if c.load_in_4bit:
+        raise ConfigError(
+            "'load_in_4bit: true' is not supported yet: the colocated engine serves bf16 weights and cannot hold a "
+            "4-bit base yet. Remove it and train a bf16 base with LoRA (the memory plan printed at start says "
+            "whether it fits), or pick a smaller base_model."
+        )
     merge_aware = c.lora_merge_aware not in (None, "auto")
     if c.adapter is None and (merge_aware or c.load_in_4bit or c.load_in_8bit or c.peft_use_dora):
         raise ConfigError(

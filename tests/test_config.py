@@ -74,7 +74,7 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"vllm": {"gpu_memory_utilization": 1.5}}, ["'vllm.gpu_memory_utilization' must be 'auto' or in (0, 1]"]),
         ({"vllm": {"gpu_memory_utilization": "atuo"}}, ["'vllm.gpu_memory_utilization' must be a number or 'auto'"]),
         ({"load_in_4bit": True}, ["'load_in_4bit: true' is not supported yet", "bf16 base with LoRA"]),
-        ({"load_in_8bit": True}, ["'load_in_8bit: true' is not supported yet", "bf16 base with LoRA"]),
+        ({"load_in_8bit": True}, ["'load_in_8bit: true' cannot be served", "no in-flight 8-bit", "bf16 base"]),
         ({"vllm": {"max_model_len": 100}}, ["'vllm.max_model_len' (100) is below", "512 + 256"]),
         ({"lora_merge_aware": "bf17"}, ["'lora_merge_aware' must be", "'bf16'"]),
         ({"lora_merge_aware": "bf16", "peft_use_dora": True}, ["'peft_use_dora: true'", "Remove"]),
