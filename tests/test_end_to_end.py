@@ -160,13 +160,20 @@ def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_job_learns(tmp_path):
-    """The README's default job: reward over the last tenth clearly above the first tenth."""
-    result = train(load_config(default_config_path()).to_dict() | {"output_dir": str(tmp_path / "run")})
-    # Training on CPU is not repeatable run to run. Seeds 0, 1, 2 rose by 0.106, 0.071 and 0.062 with merge-aware
-    # LoRA (the default) and by 0.056, 0.090 and 0.041 with PEFT's; one run rose by 0.042. A tenth is 30 steps
-    # of 64 completions: its mean reward has a standard error under 0.01, so a rise of 0.03 is learning.
-    assert result.reward_end > result.reward_start + 0.03, result.summary()
+def test_default_job_learns(tmp_path, cpu_gemm_route):
+    """The README's default job: reward over the last tenth clearly above the first tenth, over two seeds."""
+    if cpu_gemm_route not in ("fallback", "cuda"):
+        pytest.skip("learning does not depend on the linear route; the sync tests cover every route")
+    # Training on CPU is not repeatable run to run, and a single run of the default job can fail to learn. On a
+    # 2-core AMD EPYC, runs with merge-aware LoRA (the default) rose by 0.106, 0.071, 0.062, 0.062, 0.057, 0.042
+    # and -0.027; with PEFT's LoRA by 0.090, 0.077, 0.056, 0.041 and 0.005. A tenth is 30 steps of 64
+    # completions: its mean reward has a standard error under 0.01. Two seeds halve the runs' spread.
+    rises = []
+    for seed in (0, 1):
+        raw = load_config(default_config_path()).to_dict() | {"output_dir": str(tmp_path / f"run{seed}"), "seed": seed}
+        result = train(raw)
+        rises.append(result.reward_end - result.reward_start)
+    assert sum(rises) / len(rises) > 0.03, rises
 
 
 def test_resume_continues_from_the_checkpoint_with_its_adapter(tmp_path):
