@@ -125,7 +125,7 @@ def push_adapter(model: torch.nn.Module, engine: Engine, clear: bool) -> None:
 
     Args:
         clear: zero every LoRA buffer first: needed when the engine lost them (a level-2 sleep
-            discards them with the weights), when some slices were never written.
+            discards them with the weights). The first write of a trainer into an engine always clears.
     """
     writes = _adapter_writes(model, engine)
     with engine.writing_weights():

@@ -436,8 +436,12 @@ class Engine:
     @property
     def model(self) -> torch.nn.Module:
         """The engine's ``nn.Module`` (vLLM parameter names, fused projections)."""
-        executor = self._require_open().llm_engine.model_executor
-        return executor.driver_worker.worker.model_runner.model
+        return self._model_runner.model
+
+    @property
+    def _model_runner(self) -> Any:
+        """vLLM's model runner in this process: the engine's model and its LoRA manager (vLLM 0.26 to 0.32)."""
+        return self._require_open().llm_engine.model_executor.driver_worker.worker.model_runner
 
     # --- adapters ----------------------------------------------------------------------------
     def load_adapter(self, save: Callable[[str], None]) -> None:
@@ -469,8 +473,7 @@ class Engine:
         """
         if self.adapter_request is None:
             raise EngineStateError("No adapter is loaded: call load_adapter() first.")
-        executor = self._require_open().llm_engine.model_executor
-        manager = executor.driver_worker.worker.model_runner.lora_manager._adapter_manager
+        manager = self._model_runner.lora_manager._adapter_manager
         return dict(manager.modules), manager.lora_index_to_id.index(self.adapter_request.lora_int_id)
 
     def _forget_lora_mapping(self) -> None:
@@ -479,9 +482,7 @@ class Engine:
         A level-2 sleep discards them with the weights, and vLLM rewrites them only when a batch's
         adapter mapping differs from the last one it wrote (vllm.lora.model_manager).
         """
-        executor = self._require_open().llm_engine.model_executor
-        manager = getattr(executor.driver_worker.worker.model_runner, "lora_manager", None)
-        adapter_manager = getattr(manager, "_adapter_manager", None)
+        adapter_manager = getattr(getattr(self._model_runner, "lora_manager", None), "_adapter_manager", None)
         for cached in ("_last_mapping", "_last_slot_layout"):
             if hasattr(adapter_manager, cached):
                 setattr(adapter_manager, cached, None)

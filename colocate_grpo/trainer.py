@@ -288,7 +288,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
             return "adapter (vLLM's LoRA kernels on the base weights, one copy shared with the trainer)"
         if self.vllm_generation.serve_adapter:
             return "adapter (vLLM's LoRA kernels on the base weights)"
-        if any(isinstance(m, MergeAwareLoraLinear) for m in self.model.modules()):
+        if self.vllm_generation.merge_check.merge_aware:
             return "merge-aware (merged weights, bitwise what is trained)"
         if hasattr(self.model, "peft_config"):
             return "merged (LoRA merged into the weights, rounded to their dtype)"
