@@ -57,7 +57,8 @@ tests)
     tests/test_interrupts.py > "$out/pytest.txt" 2>&1
   # Adapter serving starts its engine with LoRA support: a process of its own.
   python3 -m pytest -q -p no:cacheprovider tests/test_adapters.py > "$out/pytest_adapters.txt" 2>&1
-  tail -3 "$out/pytest_engine.txt" "$out/pytest.txt" "$out/pytest_adapters.txt"
+  python3 -m pytest -q -p no:cacheprovider tests/test_shared_base.py > "$out/pytest_shared_base.txt" 2>&1
+  tail -3 "$out/pytest_engine.txt" "$out/pytest.txt" "$out/pytest_adapters.txt" "$out/pytest_shared_base.txt"
   model 1.5B
   python3 bench/profile_sleep_wake.py "$models/1.5B" > "$out/profile_sleep_wake_1.5B.txt" 2>&1
   grep -a -E "pool|allocates|gc.collect|Error" "$out/profile_sleep_wake_1.5B.txt"

@@ -50,7 +50,7 @@ def attempt(shape: str, kind: str, card_gib: float, steps: int, models: str) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "3B", "7B", "14B"])
-    parser.add_argument("--kinds", nargs="+", default=list(USER_SERVING))
+    parser.add_argument("--kinds", nargs="+", default=[k for k in USER_SERVING if k != "user-fp32-head"])
     parser.add_argument("--cards", nargs="+", type=float, default=[16, 24, 40, 80])
     parser.add_argument("--stock", action="store_true", help="also stock TRL at the same settings")
     parser.add_argument("--steps", type=int, default=3)

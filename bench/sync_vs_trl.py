@@ -3,10 +3,12 @@
 Trainers: stock TRL (``stock``); ``user``, colocate_grpo as a user runs it: ``build_trainer`` with
 the plain config a user would write (model, dataset, reward, batch keys, nothing else: every other
 setting is a default; ``user-merged``, ``user-adapter`` and ``user-4bit`` add the one key that serves the
-policy another way: ``USER_SERVING``); colocate_grpo with the same ordinary PEFT LoRA (``ours``),
+policy another way, ``user-fp32-head`` the key that computes the logits in fp32: ``USER_SERVING``);
+colocate_grpo with the same ordinary PEFT LoRA (``ours``),
 and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
 ``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch; ``ours-adapter``
-is ``ours`` with the adapter served by vLLM's LoRA kernels (``serve_adapter``) instead of merged. Each
+is ``ours`` with the adapter served by vLLM's LoRA kernels (``serve_adapter``) instead of merged, the
+trainer's base weights shared with the engine's; ``ours-adapter-own`` the same on two copies of the base. Each
 (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per process.
 The driver builds each shape's random-weight model once, runs both trainers, and prints a table
 with ratios (colocate_grpo / stock TRL): step time, sync time (the weights' wake and the push;
@@ -212,6 +214,7 @@ USER_SERVING = {
     "user-merged": {"lora_merge_aware": None},
     "user-adapter": {"trl": {"vllm_lora_sync": True}},
     "user-4bit": {"load_in_4bit": True, "trl": {"vllm_lora_sync": True}},
+    "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
 }
 
 
@@ -329,7 +332,11 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
             enforce_eager=False,
             kv_cache="memory_fraction" if kind.endswith("-fraction") else "batch",
         )
-        trainer = ColocateGRPOTrainer(**common, vllm_options=options, serve_adapter=kind == "ours-adapter")
+        if kind == "ours-adapter-own":  # what sharing the base weights saves, and costs
+            import colocate_grpo.trainer as trainer_module
+
+            trainer_module.share_base_weights = lambda model, engine: 0
+        trainer = ColocateGRPOTrainer(**common, vllm_options=options, serve_adapter=kind.startswith("ours-adapter"))
 
     def device_used_gib() -> float:
         if not cuda:

@@ -190,6 +190,16 @@ class Config:
         return int(self.trl_settings["max_completion_length"])
 
     @property
+    def shares_base_weights(self) -> bool:
+        """Whether the trainer and the engine hold one copy of the base weights: LoRA served as an
+        adapter (trl.vllm_lora_sync) on an unquantized base, whose weights training never changes."""
+        return (
+            self.adapter == "lora"
+            and bool(self.trl.get("vllm_lora_sync"))
+            and not (self.load_in_4bit or self.load_in_8bit)
+        )
+
+    @property
     def engine_max_model_len(self) -> int:
         """The engine's token budget per sequence: vllm.max_model_len, else prompt + completion."""
         return self.vllm.max_model_len or self.max_prompt_length + self.max_completion_length

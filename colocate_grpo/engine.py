@@ -164,6 +164,7 @@ class Engine:
                 **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
+        self.weights_pinned = False  # see pin_weights
         # vLLM computes from packed copies on this CPU (see _plain_cpu_linears): only its reload repacks them.
         self._packed = not _weights_are_plain(self.model)
         if self._packed:
@@ -236,12 +237,16 @@ class Engine:
     def sleep(self, level: int | None = None) -> None:
         """Free the engine's device memory: level 1 keeps a CPU copy of the weights, level 2 keeps nothing.
 
-        ``level`` defaults to the configured ``vllm.sleep_level``. Sleeping twice is a no-op.
+        ``level`` defaults to the configured ``vllm.sleep_level``. Sleeping twice is a no-op. Pinned
+        weights (:meth:`pin_weights`) stay: only the KV cache sleeps.
         """
         llm = self._require_open()
         level = self.options.sleep_level if level is None else level
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.weights_pinned:
+            self.sleep_kv_cache()
+            return
         if not self._state.kv_cache_awake and self._state.weights in (Weights.OFFLOADED, Weights.DISCARDED):
             return
         if self.sleep_mode:
@@ -258,21 +263,42 @@ class Engine:
     def can_sleep_kv_cache_alone(self) -> bool:
         """Whether the KV cache can sleep while the weights stay (see :meth:`sleep_kv_cache`).
 
-        True without sleep mode (CPU), where sleeping frees nothing. Not yet on GPUs: vLLM's sleep
-        releases the weights with the KV cache, and releasing the KV cache alone is not built.
+        Always without sleep mode (CPU), where sleeping frees nothing; on GPUs where this vLLM's
+        sleep-mode pool and executor are laid out as 0.26's are (``_release_kv_cache``).
         """
-        return not self.sleep_mode
+        return not self.sleep_mode or _kv_cache_release_reachable(self._require_open())
 
     def sleep_kv_cache(self) -> None:
-        """Let the KV cache sleep and keep the weights resident: the trainer may be sharing them.
+        """Release the KV cache's device memory and keep the weights resident (and mapped where they are).
+
+        ``wake_up(["kv_cache"])`` maps it back. Generating in between is refused, as after any sleep.
 
         Raises:
             EngineStateError: where the KV cache cannot sleep alone (:attr:`can_sleep_kv_cache_alone`).
         """
-        self._require_open()
+        llm = self._require_open()
         if not self.can_sleep_kv_cache_alone:
-            raise EngineStateError("This engine cannot release its KV cache alone (vLLM's sleep mode on a GPU).")
+            raise EngineStateError("This vLLM's sleep mode cannot release the KV cache alone.")
+        if not self._state.kv_cache_awake:
+            return
+        if self.sleep_mode:
+            _release_kv_cache(llm)
         self._state = EngineState(self._state.weights, kv_cache_awake=False)
+
+    def pin_weights(self) -> None:
+        """Keep the weights on the device for good: every later :meth:`sleep` releases the KV cache alone.
+
+        For weights that other tensors view (the trainer's base, :mod:`colocate_grpo.shared_base`):
+        offloading or discarding them would take the memory from under those views.
+
+        Raises:
+            EngineStateError: where the KV cache cannot sleep alone, or the weights are asleep.
+        """
+        if not self.can_sleep_kv_cache_alone:
+            raise EngineStateError("This vLLM's sleep mode cannot release the KV cache alone: nothing can pin weights.")
+        if self._state.weights not in (Weights.RESIDENT, Weights.GARBAGE):
+            raise EngineStateError(f"Only weights on the device can be pinned ({self._state}).")
+        self.weights_pinned = True
 
     def _save_buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The engine model's buffers (rotary tables, attention scales) and copies of them on the device,
@@ -653,6 +679,38 @@ def _shutdown(llm: Any) -> None:
 
     destroy_model_parallel()
     destroy_distributed_environment()
+
+
+def _kv_cache_release_reachable(llm: Any) -> bool:
+    """Whether ``_release_kv_cache`` finds vLLM's sleep-mode pool and executor where 0.26 keeps them."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release  # noqa: F401
+    except ImportError:
+        return False
+    executor = getattr(llm.llm_engine, "model_executor", None)
+    return hasattr(executor, "sleeping_tags") and hasattr(executor, "is_sleeping")
+
+
+def _release_kv_cache(llm: Any) -> None:
+    """Unmap the KV cache's allocations in vLLM's sleep-mode pool; the weights' stay mapped.
+
+    vLLM 0.26's sleep releases the weights with the KV cache (level 1 copies them to host memory,
+    level 2 drops them). This does to the KV cache alone what both levels do to it: drop the cached
+    prefixes, unmap the pool's "kv_cache" allocations. Marking that tag asleep in the executor lets
+    vLLM's own ``wake_up(tags=["kv_cache"])`` map the same addresses back and re-initialize them as
+    after a sleep, so CUDA graphs stay valid.
+    """
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    executor = llm.llm_engine.model_executor
+    torch.cuda.synchronize()  # kernels still reading the cache
+    llm.reset_prefix_cache()
+    for allocation in CuMemAllocator.get_instance().pointer_to_data.values():
+        if allocation.tag == "kv_cache" and not allocation.is_asleep:
+            unmap_and_release(allocation.handle)
+            allocation.is_asleep = True
+    executor.sleeping_tags = {"kv_cache"}
+    executor.is_sleeping = True
 
 
 @contextlib.contextmanager

@@ -154,7 +154,8 @@ class MemoryPlan:
     """Device bytes a run needs, by part, against what the device has free before the model loads.
 
     Attributes:
-        trainer_weights: the trainer's model (base weights and adapters).
+        trainer_weights: the trainer's model (base weights and adapters; the adapters alone where the
+            base weights are the engine's, ``Config.shares_base_weights``).
         trainer_states: gradients and AdamW moments of the trainable parameters.
         engine_weights: the engine's copy of the weights (merged into it at every sync).
         kv_cache: the engine's KV cache, sized to the generation batch at full length.
@@ -215,7 +216,9 @@ def plan_memory(
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
-        trainer_weights, states = weights + adapter, _TRAINING_COPIES * adapter
+        # A shared base is the engine's copy: the trainer adds only its adapter.
+        trainer_weights = adapter if config.shares_base_weights else weights + adapter
+        states = _TRAINING_COPIES * adapter
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
@@ -268,6 +271,12 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
     ]
     if config.adapter is None:
         fixes.insert(0, "'adapter: lora' instead of full fine-tuning (no gradients or optimizer states for the base)")
+    elif not config.shares_base_weights and not (config.load_in_4bit or config.load_in_8bit):
+        fixes.insert(
+            0,
+            f"'trl.vllm_lora_sync: true' (vLLM serves the adapter, and the trainer and the engine share one copy of "
+            f"the base weights: {_gib(plan.engine_weights)} GiB less)",
+        )
     if not config.vllm.enforce_eager:
         fixes.append(f"'vllm.enforce_eager: true' (saves the graphs' {_gib(CUDA_GRAPH_BYTES)} GiB, decodes slower)")
     short = plan.generation_peak - plan.free

@@ -156,7 +156,11 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
 
 
 def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
-    """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``."""
+    """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``.
+
+    A base the engine will share (``config.shares_base_weights``) is left in host memory; the
+    trainer moves the model once its base weights are the engine's.
+    """
     dtype = training_dtype(device)
     kwargs: dict = {"dtype": dtype}
     if config.load_in_4bit or config.load_in_8bit:
@@ -166,7 +170,9 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
             load_in_4bit=config.load_in_4bit, load_in_8bit=config.load_in_8bit, bnb_4bit_compute_dtype=dtype
         )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if not (config.load_in_4bit or config.load_in_8bit):
+    # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
+    # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
+    if not (config.load_in_4bit or config.load_in_8bit or config.shares_base_weights):
         model.to(device)
     if config.adapter != "lora":
         return model

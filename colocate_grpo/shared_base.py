@@ -7,7 +7,10 @@ fused ones, the embedding as the first rows of its padded one, a tied head with 
 engine's memory, and the trainer's own copy is freed. A sync then sends only the adapter.
 
 Nothing may write the shared tensors: the trainer never updates frozen weights, and the engine
-keeps them resident (its KV cache sleeps alone, ``Engine.sleep_kv_cache``).
+keeps them resident (``Engine.pin_weights``: its KV cache sleeps alone). The trainer's model may
+still be in host memory when it shares (a GPU run loads it there, so that the device never holds
+two copies): its frozen weights then move to the device as views of the engine's, and the rest
+follows when the trainer moves the model.
 """
 
 from __future__ import annotations
@@ -29,20 +32,26 @@ def frozen_base(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 @torch.no_grad()
 def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
-    """Point the trainer's frozen base weights at the engine's parameters; returns the bytes freed.
+    """Point the trainer's frozen base weights at the engine's parameters and pin those; returns the bytes freed.
 
     Nothing is shared (0 is returned) where the engine's parameters do not map onto the trainer's
-    tensors (``Engine.parameter_views``), or where some tensor differs from the engine's, bitwise:
-    then the two sides do not hold the same weights, and sharing would change what is trained.
+    tensors (``Engine.parameter_views``), where the engine cannot keep its weights while its KV
+    cache sleeps (``Engine.can_sleep_kv_cache_alone``), or where some tensor differs from the
+    engine's, bitwise: then the two sides do not hold the same weights, and sharing would change
+    what is trained.
     """
+    if not engine.can_sleep_kv_cache_alone:
+        return 0
     base = frozen_base(model)
     views = engine.parameter_views({name: tuple(param.shape) for name, param in base.items()})
     if views is None:
         return 0
+    engine.wake_up(["weights"])
     for name, param in base.items():
         rows = views[name].rows
-        if rows.dtype != param.dtype or rows.device != param.device or not torch.equal(rows, param):
+        if rows.dtype != param.dtype or not torch.equal(rows, param.to(rows.device)):
             return 0
+    engine.pin_weights()
     freed = 0
     for name, param in base.items():
         freed += param.nbytes

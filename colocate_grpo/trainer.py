@@ -34,7 +34,6 @@ from colocate_grpo.sync import push_weights, served_weight_mismatches
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class MergeCheck:
     """Measures, during a sync, how much of the LoRA update the served weights keep.
@@ -101,11 +100,16 @@ class ColocatedGeneration(VLLMGeneration):
     """
 
     def __init__(
-        self, *args: Any, engine_factory: Callable[[VLLMGeneration], Engine], serve_adapter: bool, **kwargs: Any
+        self,
+        *args: Any,
+        engine_factory: Callable[[VLLMGeneration], Engine],
+        serve_adapter: bool,
+        shared_base_bytes: int = 0,
+        **kwargs: Any,
     ) -> None:
         self._engine_factory = engine_factory
         self.serve_adapter = serve_adapter
-        self.shared_base_bytes = 0  # the trainer's base weights given up for the engine's (shared_base.py)
+        self.shared_base_bytes = shared_base_bytes  # the trainer's base weights given up for the engine's
         self.merge_check: MergeCheck | None = None
         self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
@@ -114,22 +118,12 @@ class ColocatedGeneration(VLLMGeneration):
     def _init_vllm(self) -> None:
         self.llm: Engine = self._engine_factory(self)
         self.clock.pools = self.llm.pool_bytes
-        if self.serve_adapter and self.llm.can_sleep_kv_cache_alone:
-            push_weights(self.model, self.llm, merge=False)  # from here the engine holds exactly the trainer's base
-            self.shared_base_bytes = share_base_weights(self.model, self.llm)
-        self._sleep()
+        self.llm.sleep()
 
     @property
     def shares_base(self) -> bool:
         """Whether the trainer's base weights are the engine's (one copy; a sync sends only the adapter)."""
         return self.shared_base_bytes > 0
-
-    def _sleep(self) -> None:
-        """The engine's sleep between generations: the KV cache alone while the base weights are shared."""
-        if self.shares_base:
-            self.llm.sleep_kv_cache()
-        else:
-            self.llm.sleep()
 
     @property
     def engine(self) -> Engine:
@@ -170,7 +164,7 @@ class ColocatedGeneration(VLLMGeneration):
                 return super().generate(*args, **kwargs)
         finally:
             with self.clock.phase("sleep"):
-                self._sleep()
+                self.llm.sleep()  # the KV cache alone where the weights are shared (pinned)
 
 
 def _largest_lora_rank(model: Any) -> int:
@@ -236,26 +230,38 @@ class ColocateGRPOTrainer(GRPOTrainer):
         # below, computes in fp32 from the weights as they are.
         fp32_head, args.cast_lm_head_to_fp32 = args.cast_lm_head_to_fp32, False
 
-        def engine_factory(generation: VLLMGeneration) -> Engine:
+        def build_engine(model: Any) -> Engine:
             if engine is not None and not engine.closed:
                 return engine
-            dtype = generation.model.get_input_embeddings().weight.dtype
+            dtype = model.get_input_embeddings().weight.dtype
             # The derived budget stops at the model's context: vLLM refuses a longer one.
-            context = getattr(generation.model.config, "max_position_embeddings", None)
-            derived = min((n for n in (generation.max_model_length, context) if n), default=None)
-            max_model_len = options.max_model_len or derived
+            context = getattr(model.config, "max_position_embeddings", None)
+            derived = min((n for n in (args.vllm_max_model_length, context) if n), default=None)
+            # TRL's generation batch, as GRPOTrainer gives it to VLLMGeneration.
+            batch = args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
             return shared_engine(
-                model_path=generation.model.name_or_path,
-                options=dataclasses.replace(options, max_model_len=max_model_len),
+                model_path=model.name_or_path,
+                options=dataclasses.replace(options, max_model_len=options.max_model_len or derived),
                 dtype=str(dtype).removeprefix("torch."),
-                max_num_seqs=max(MIN_NUM_SEQS, generation.max_num_seqs or 0),
+                max_num_seqs=max(MIN_NUM_SEQS, batch),
                 seed=args.seed,
-                trust_remote_code=generation.trust_remote_code,
+                trust_remote_code=args.trust_remote_code,
                 max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
                 fp32_head=fp32_head,
             )
 
-        generation = functools.partial(ColocatedGeneration, engine_factory=engine_factory, serve_adapter=serve_adapter)
+        shared_base_bytes = 0
+        if serve_adapter:
+            # Before TRL moves the model to the device: a base still in host memory (load_model leaves it
+            # there for adapter serving) becomes the engine's copy, and the device never holds two.
+            engine = build_engine(model)
+            shared_base_bytes = share_base_weights(model, engine)
+        generation = functools.partial(
+            ColocatedGeneration,
+            engine_factory=lambda generation: build_engine(generation.model),
+            serve_adapter=serve_adapter,
+            shared_base_bytes=shared_base_bytes,
+        )
         try:
             with _generation_class(generation):
                 super().__init__(model, reward_funcs, args, **kwargs)

@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 import colocate_grpo.adapters as adapters
 from colocate_grpo.adapters import served_adapter_mismatches
 from colocate_grpo.config import load_config
-from colocate_grpo.engine import Engine, EngineStateError, Weights, engine_lora_rank
+from colocate_grpo.engine import Engine, EngineStateError, Weights, engine_lora_rank, live_engine
 from colocate_grpo.lora import MergeAwareLoraLinear
 from colocate_grpo.train import build_trainer, default_config_path, train
 
@@ -43,10 +43,16 @@ def test_engine_rank_is_one_vllm_serves():
     assert [engine_lora_rank(r) for r in (1, 2, 8, 12, 16, 17, 64)] == [1, 8, 8, 16, 16, 32, 64]
 
 
-@pytest.fixture(params=["shared", "own"])
+@pytest.fixture(params=["own", "shared"])
 def base_weights(request, monkeypatch):
-    """Adapter serving on the engine's base weights shared with the trainer, and on two copies (as on GPUs)."""
+    """Adapter serving on two copies of the base weights, and on the engine's shared with the trainer.
+
+    "own" runs first: a GPU process keeps its one engine, whose weights stay pinned once shared.
+    """
     if request.param == "own":
+        engine = live_engine()
+        if engine is not None and engine.weights_pinned:  # an engine that shared its weights keeps them pinned
+            engine.close()
         monkeypatch.setattr(Engine, "can_sleep_kv_cache_alone", property(lambda self: False))
     return request.param
 

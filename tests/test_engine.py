@@ -210,6 +210,35 @@ def test_sleeping_with_one_part_awake_frees_it(engine, awake):
     assert engine.state.weights is Weights.DISCARDED and not engine.state.kv_cache_awake
 
 
+def test_the_kv_cache_sleeps_alone_and_the_weights_stay(engine):
+    expected = engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids
+    weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+    pools, free = engine.pool_bytes(), torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    engine.sleep_kv_cache()
+    assert engine.state.weights is Weights.RESIDENT and not engine.state.kv_cache_awake
+    if torch.cuda.is_available():  # what it says it frees, it frees; the weights stay mapped
+        assert engine.pool_bytes() == {"weights": pools["weights"], "kv_cache": 0}
+        assert torch.cuda.mem_get_info()[0] - free >= pools["kv_cache"]
+    assert all(torch.equal(p, weights[name]) for name, p in engine.model.named_parameters())
+    with pytest.raises(EngineStateError, match="not ready"):
+        engine.generate(PROMPT, GREEDY)
+    engine.wake_up(["kv_cache"])
+    assert engine.generate(PROMPT, GREEDY)[0].outputs[0].token_ids == expected
+
+
+def test_pinned_weights_stay_through_every_sleep(engine):
+    engine.pin_weights()
+    try:
+        for level in (1, 2):
+            engine.sleep(level)
+            assert engine.state.weights is Weights.RESIDENT and not engine.state.kv_cache_awake
+            if torch.cuda.is_available():
+                assert engine.pool_bytes()["weights"] > 0 and engine.pool_bytes()["kv_cache"] == 0
+            engine.wake_up()
+    finally:
+        engine.weights_pinned = False  # the module's later tests discard the weights
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM 0.26 allows one sleep-mode engine per GPU process")
 def test_a_new_engine_closes_the_old_one_and_closed_engines_refuse(engine_and_rng):
     # Last in this module: one engine per process, so this closes the module's engine.

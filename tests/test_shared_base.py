@@ -12,12 +12,9 @@ from colocate_grpo.shared_base import frozen_base, shares_base_weights
 from colocate_grpo.sync import hf_name
 from colocate_grpo.train import build_trainer, default_config_path, train
 
-# Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py). On GPUs the base is
-# not shared yet: vLLM's sleep releases the weights with the KV cache.
-pytestmark = [
-    pytest.mark.usefixtures("cpu_gemm_route"),
-    pytest.mark.skipif(torch.cuda.is_available(), reason="sharing needs a KV-cache-only sleep, not built for GPUs"),
-]
+# Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py); on GPUs, with vLLM's
+# sleep mode, whose KV cache sleeps alone.
+pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
 
 
 def shared_config(tmp_path, **overrides):
