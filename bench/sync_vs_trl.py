@@ -208,6 +208,8 @@ def pool_layout() -> dict[str, list[int]]:
     return {tag: [count, round(size / 2**30, 3)] for tag, (count, size) in layout.items()}
 
 
+GENERATION_BATCH = 64  # sequences generated a step: 8 prompts x 8 generations
+
 # The user's kinds: the plain config, and the one key a user sets to serve the policy another way.
 USER_SERVING = {
     "user": {},
@@ -219,7 +221,13 @@ USER_SERVING = {
 
 
 def user_config(
-    model_path: str, prompts: list[str], steps: int, tiny: bool, directory: Path, kind: str = "user"
+    model_path: str,
+    prompts: list[str],
+    steps: int,
+    tiny: bool,
+    directory: Path,
+    kind: str = "user",
+    micro_batch: int = 64,
 ) -> dict:
     """The config a user writes for this run: model, dataset, reward and batch keys, all else default
     (plus, for ``user-*`` kinds, the key that picks how the policy is served: ``USER_SERVING``)."""
@@ -232,7 +240,8 @@ def user_config(
         "output_dir": str(directory / "run"),
         "task": None,
         "dataset": {"path": str(data), "chat": False},
-        "micro_batch_size": 64,
+        "micro_batch_size": micro_batch,
+        "gradient_accumulation_steps": GENERATION_BATCH // micro_batch,
         "max_steps": steps,
         **{key: value for key, value in serving.items() if key != "trl"},
         "trl": {
@@ -252,7 +261,9 @@ def take_device_memory(card_gib: float) -> object:
     return torch.empty(int(total - card_gib * 2**30 - (total - free)), dtype=torch.uint8, device="cuda")
 
 
-def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float | None = None) -> dict:
+def run_one(
+    kind: str, model_path: str, steps: int, tiny: bool, card_gib: float | None = None, micro_batch: int = 64
+) -> dict:
     """One training run in this process; returns its measurements."""
     import random
 
@@ -283,7 +294,8 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
     max_model_len = 32 if tiny else 512
     args = GRPOConfig(
         output_dir=f"/tmp/sync_vs_trl/{kind}",
-        per_device_train_batch_size=64,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
         num_generations=8,
         max_completion_length=completion_tokens,
         learning_rate=1e-5,
@@ -305,7 +317,9 @@ def run_one(kind: str, model_path: str, steps: int, tiny: bool, card_gib: float 
     if kind in USER_SERVING:
         from colocate_grpo.train import build_trainer
 
-        config = user_config(model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"), kind)
+        config = user_config(
+            model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"), kind, micro_batch
+        )
         trainer = build_trainer(config)
         model = trainer.model
     else:
@@ -493,13 +507,22 @@ def main() -> None:
     parser.add_argument("--out", default="sync_vs_trl.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
     parser.add_argument("--card-gib", type=float, help="take all but this many GiB of the device before each run")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=GENERATION_BATCH,
+        help=f"sequences per forward and backward; the {GENERATION_BATCH} generated a step are trained in "
+        "generation_batch / micro_batch accumulation steps",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TRL_TELEMETRY", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.child:
         kind, model_path, out = args.child
-        result = run_one(kind, model_path, args.steps, tiny="tiny" in model_path, card_gib=args.card_gib)
+        result = run_one(
+            kind, model_path, args.steps, "tiny" in model_path, card_gib=args.card_gib, micro_batch=args.micro_batch
+        )
         Path(out).write_text(json.dumps(result))
         return
 
@@ -513,6 +536,7 @@ def main() -> None:
             command = [sys.executable, __file__, "--steps", str(args.steps), "--child", kind, model_path, str(out)]
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
+            command += ["--micro-batch", str(args.micro_batch)]
             run = subprocess.run(command, capture_output=True, text=True)
             if run.returncode != 0 or not out.exists():
                 print(f"{shape} {kind}: failed (exit {run.returncode})\n{run.stderr[-3000:]}", file=sys.stderr)
