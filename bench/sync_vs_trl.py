@@ -457,7 +457,7 @@ def run_one(
 
     # The adapter's push when the engine kept its base weights (a level-1 sleep): the adapter alone.
     repeat_adapter_push_s = []
-    if cuda and generation.serve_adapter:
+    if cuda and getattr(generation, "serve_adapter", False):
         for _ in range(10):
             asleep = sorted(getattr(executor, "sleeping_tags", ()))
             if asleep:
@@ -484,7 +484,7 @@ def run_one(
         "loop_push_s": statistics.median(push_s(s) for s in measured),
         "repeat_sync_s": statistics.median(repeat_sync_s),
         "repeat_push_s": statistics.median(repeat_push_s),
-        "adapter_push_s": median("adapter_push_s") if generation.serve_adapter else float("nan"),
+        "adapter_push_s": median("adapter_push_s") if getattr(generation, "serve_adapter", False) else float("nan"),
         "repeat_adapter_push_s": statistics.median(repeat_adapter_push_s) if repeat_adapter_push_s else float("nan"),
         "copy_floor_s": floor_s,
         "overhead_share": statistics.median(overhead),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from colocate_grpo.engine import Engine
+from colocate_grpo.engine import Engine, Weights
 from colocate_grpo.sync import hf_name
 
 
@@ -47,6 +47,8 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
     if views is None:
         return 0
     engine.wake_up(["weights"])
+    if engine.state.weights is not Weights.RESIDENT:  # a level-2 sleep discarded them: the trainer's go in
+        engine.load_weights(base.items())
     for name, param in base.items():
         rows = views[name].rows
         if rows.dtype != param.dtype or not torch.equal(rows, param.to(rows.device)):
