@@ -497,6 +497,12 @@ def _check_combinations(c: Config) -> None:
                     "LoRA needs plain LoRA on an unquantized base whose merged weights are what vLLM serves. "
                     f"Remove '{key}' or 'lora_merge_aware'."
                 )
+    if c.trl.get("vllm_tensor_parallel_size", 1) != 1:
+        raise ConfigError(
+            f"'trl.vllm_tensor_parallel_size: {c.trl['vllm_tensor_parallel_size']}': each process has its own "
+            "colocated engine on its own GPU (launch several with accelerate or torchrun for data parallel training). "
+            "Remove it, or use TRL's server mode to generate on separate GPUs."
+        )
     if c.trl.get("cast_lm_head_to_fp32"):
         if c.adapter is None:
             raise ConfigError(

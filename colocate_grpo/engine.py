@@ -95,7 +95,9 @@ class Engine:
             trainer does with TRL's ``cast_lm_head_to_fp32``.
 
     Only one engine lives in a process: creating a second closes the first (vLLM
-    allows one sleep-enabled engine per process).
+    allows one sleep-enabled engine per process). In a process that torchrun or ``accelerate
+    launch`` started as one of several ranks, the engine is that rank's own, on its device (vLLM's
+    ``external_launcher``), and every rank must build it at the same time.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class Engine:
         self._adapter_directory: tempfile.TemporaryDirectory | None = None
         self.cpu = on_cpu()
         self.sleep_mode = not self.cpu
+        self.ranks = launched_ranks()
         if self.sleep_mode and _sleep_engine_was_closed:
             raise EngineStateError(
                 "vLLM allows one sleep-mode engine per process, and this process already closed one. Restart the "
@@ -136,8 +139,10 @@ class Engine:
                 "vLLM sleep mode is not available on CPU: the engine keeps its memory while the trainer "
                 "trains (its state is still tracked, and generating while asleep is still refused)."
             )
-            # vLLM drops torch to one thread on CPU unless OMP_NUM_THREADS is set, which would slow training.
-            os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+            # vLLM drops torch to one thread on CPU unless OMP_NUM_THREADS is set, which would slow training;
+            # the ranks on this host share its cores.
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_ranks)))
 
         from vllm import LLM
 
@@ -161,6 +166,8 @@ class Engine:
                 seed=seed,
                 kv_cache_memory_bytes=kv_cache_bytes,
                 **_lora_arguments(max_lora_rank),
+                # One engine per rank, in this process, on this rank's device, in the launcher's process group.
+                **({"distributed_executor_backend": "external_launcher"} if self.ranks > 1 else {}),
                 **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
@@ -565,7 +572,7 @@ class Engine:
         if self.sleep_mode:
             self.wake_up()  # vLLM frees sleeping (unmapped) allocations with a CUDA error
         llm, self.llm = self.llm, None
-        _shutdown(llm)
+        _shutdown(llm, keep_process_group=self.ranks > 1)
         if self._adapter_directory is not None:
             self._adapter_directory.cleanup()
         self.adapter_request = self._adapter_directory = None
@@ -670,15 +677,40 @@ def _lora_arguments(max_lora_rank: int | None) -> dict[str, Any]:
     return {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1, "max_cpu_loras": 1}
 
 
-def _shutdown(llm: Any) -> None:
-    """Release an LLM's engine core and vLLM's process-wide parallel state (so another can start)."""
+def launched_ranks() -> int:
+    """How many ranks the launcher (torchrun, ``accelerate launch``) started; 1 outside a launch.
+
+    Raises:
+        EngineStateError: when launched as one of several ranks without torch.distributed set up:
+            vLLM would start a process group of its own, of one rank, and the others would fail.
+    """
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise EngineStateError(
+            f"This process is one of {ranks} launched ranks, but torch.distributed is not initialized: build the "
+            "engine through a trainer (its accelerator sets the process group up), or call "
+            "accelerate.PartialState() first."
+        )
+    return ranks
+
+
+def _shutdown(llm: Any, keep_process_group: bool) -> None:
+    """Release an LLM's engine core and vLLM's process-wide parallel state (so another can start).
+
+    With ``keep_process_group`` (several launched ranks) torch's default process group is the
+    launcher's and outlives the engine: only vLLM's own groups go.
+    """
     engine_core = getattr(llm.llm_engine, "engine_core", None)
     if engine_core is not None and hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    import vllm.distributed.parallel_state as parallel_state
 
-    destroy_model_parallel()
-    destroy_distributed_environment()
+    parallel_state.destroy_model_parallel()
+    if not keep_process_group:
+        parallel_state.destroy_distributed_environment()
+    elif parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
 
 
 def _kv_cache_release_reachable(llm: Any) -> bool:

@@ -86,6 +86,8 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
         bf16=device == "cuda" and dtype == torch.bfloat16,
         fp16=device == "cuda" and dtype == torch.float16,
         report_to="none",
+        # Several ranks: every trainable parameter gets a gradient every step (no extra pass to look for others).
+        ddp_find_unused_parameters=False,
         vllm_max_model_length=config.engine_max_model_len,
         **trl_settings,
     )
@@ -122,6 +124,11 @@ class _RewardProgress(ProgressCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **_: Any) -> None:
         if self.training_bar is not None and logs and REWARD_KEY in logs:
             self.training_bar.set_postfix(reward=f"{logs[REWARD_KEY]:.3f}", refresh=False)
+
+
+def is_main_process() -> bool:
+    """Whether this process speaks for the run: the only one, or rank 0 of a torchrun / accelerate launch."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def build_trainer(
@@ -168,7 +175,8 @@ def build_trainer(
             serve_adapter=bool(config.trl.get("vllm_lora_sync")),
         )
     metrics.context["served_as"] = trainer.served_as
-    print(f"Served as: {trainer.served_as}.")
+    if is_main_process():
+        print(f"Served as: {trainer.served_as}.")
     # transformers prints every metric per log (a table in notebooks); show a bar with the reward instead.
     # Only a notebook has transformers' notebook module loaded (it imports IPython, which the CLI may lack).
     notebook_progress = getattr(sys.modules.get("transformers.utils.notebook"), "NotebookProgressCallback", None)
@@ -201,7 +209,8 @@ def plan_device_memory(config: Config, path: str, device: str, dtype: Any) -> Me
     plan = plan_memory(config, shape, dtype, free, total)
     if not plan.fits:
         raise MemoryPlanError(refusal(plan, config))
-    print(plan.summary())
+    if is_main_process():
+        print(plan.summary())
     return plan
 
 
@@ -245,9 +254,10 @@ def train(
     metrics = trainer.metrics
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    if checkpoint is None:
-        metrics.path.unlink(missing_ok=True)  # a fresh run; a resumed one appends
-    (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    if is_main_process():
+        if checkpoint is None:
+            metrics.path.unlink(missing_ok=True)  # a fresh run; a resumed one appends
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     if plots:
         trainer.add_callback(PngWriter(metrics.history, output_dir / "dashboard.png"))
     if live is not None:
@@ -258,7 +268,7 @@ def train(
         with device_memory_errors(lambda: clock.failed_phase or "train", trainer.memory_plan, config):
             trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model(str(output_dir))
-        if config.save_merged:
+        if config.save_merged and is_main_process():
             save_merged(trainer.model, output_dir / "merged", trainer.processing_class)
     finally:
         # Asleep, not closed: the next train() in this process reuses the engine (see shared_engine).
@@ -292,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceMemoryError as err:
         print(f"colocate_grpo: out of memory: {err}", file=sys.stderr)
         return 1
-    print(summary(result.metrics.history))
-    print(result.summary() + f" Figure: {result.output_dir / 'dashboard.png'}")
+    if is_main_process():  # the other ranks trained the same run; rank 0 logged it
+        print(summary(result.metrics.history))
+        print(result.summary() + f" Figure: {result.output_dir / 'dashboard.png'}")
     return 0
 
 

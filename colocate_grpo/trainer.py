@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trl.trainer.grpo_trainer as grpo_module
+from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import add_fused_lm_head
@@ -219,6 +220,11 @@ class ColocateGRPOTrainer(GRPOTrainer):
         **kwargs: Any,
     ) -> None:
         options = vllm_options or VLLMConfig()
+        if args.vllm_tensor_parallel_size != 1:
+            raise ValueError(
+                "vllm_tensor_parallel_size must be 1: each rank has its own colocated engine on its own GPU (data "
+                "parallel). For generation on separate GPUs, use TRL's server mode."
+            )
         merge_aware = any(isinstance(m, MergeAwareLoraLinear) for m in model.modules())
         if serve_adapter and (merge_aware or not hasattr(model, "peft_config")):
             raise ValueError(
@@ -244,7 +250,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 options=dataclasses.replace(options, max_model_len=options.max_model_len or derived),
                 dtype=str(dtype).removeprefix("torch."),
                 max_num_seqs=max(MIN_NUM_SEQS, batch),
-                seed=args.seed,
+                # Each rank samples its own completions: with one seed, groups split over ranks would repeat.
+                seed=args.seed + args.process_index,
                 trust_remote_code=args.trust_remote_code,
                 max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
                 fp32_head=fp32_head,
@@ -299,6 +306,27 @@ class ColocateGRPOTrainer(GRPOTrainer):
         if hasattr(self.model, "peft_config"):
             return "merged (LoRA merged into the weights, rounded to their dtype)"
         return "weights (full fine-tuning)"
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.accelerator.num_processes > 1:
+            self._reduce_over_ranks(self._metrics["train"])
+        super().log(logs, start_time)
+
+    def _reduce_over_ranks(self, metrics: dict[str, list[float]]) -> None:
+        """Make the logged memory the largest of any rank's, and the served-equals-trained checks the worst.
+
+        TRL logs its other metrics gathered over the ranks already; these are each rank's own.
+        """
+        reductions = {"memory/": max, "served_equals_trained": min}
+        local = {
+            key: sum(values) / len(values)
+            for key, values in metrics.items()
+            if values and any(part in key for part in reductions)
+        }
+        ranks = gather_object([local])
+        for key in {key for rank in ranks for key in rank}:
+            reduce = next(r for part, r in reductions.items() if part in key)
+            metrics[key] = [reduce(rank[key] for rank in ranks if key in rank)]
 
     def _record_metrics(self, metrics: dict[str, float]) -> None:
         """Add values to TRL's metrics: averaged into the next log, then written to every logger."""

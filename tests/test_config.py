@@ -91,6 +91,7 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
             {"lora_target_linear": False, "lora_target_modules": ["lm_head"], "trl": {"cast_lm_head_to_fp32": True}},
             ["needs a head without LoRA"],
         ),
+        ({"trl": {"vllm_tensor_parallel_size": 2}}, ["'trl.vllm_tensor_parallel_size: 2'", "data parallel"]),
         ({"trl": {"vllm_mode": "server"}}, ["'trl.vllm_mode: server' is not supported"]),
         ({"trl": {"vllm_server_host": "0.0.0.0"}}, ["server-mode setting"]),
         ({"trl": {"vllm_sync_interval": 5}}, ["'trl.vllm_sync_interval' is not supported"]),
