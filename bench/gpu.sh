@@ -9,6 +9,7 @@
 #   bash bench/gpu.sh generate 1.5B       generation under stock TRL's engine settings and ours (bench/generate_speed.py)
 #   bash bench/gpu.sh frontier 1.5B 7B    the smallest simulated card each way of serving runs on (bench/memory_frontier.py)
 #   bash bench/gpu.sh push 1.5B           where a sync's push spends its time (bench/profile_push.py)
+#   bash bench/gpu.sh dp 1.5B 1 2 4       the user's config on 1, 2 and 4 GPUs of this host (bench/data_parallel.py)
 #   bash bench/gpu.sh kernel              merge-kernel tiles and warps at both shapes (bench/merge_kernel_variants.py)
 #   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
 #   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
@@ -18,8 +19,8 @@
 set -u
 case ${1:-} in
 tests | kernel | copies | lora | memory) ;;
-bench | push | generate | frontier) [ $# -ge 2 ] || { sed -n '2,17p' "$0"; exit 2; } ;;
-*) sed -n '2,17p' "$0"; exit 2 ;;
+bench | push | generate | frontier | dp) [ $# -ge 2 ] || { sed -n '2,18p' "$0"; exit 2; } ;;
+*) sed -n '2,18p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -78,6 +79,12 @@ generate)
   name=$(fresh "generate_speed_$2")
   python3 bench/generate_speed.py --shape "$2" --models "$models" --out "$out/$name.json" > "$out/$name.txt" 2>&1
   grep -a -E "generate|failed" "$out/$name.txt"
+  ;;
+dp)
+  name=$(fresh "data_parallel_$2")
+  python3 bench/data_parallel.py --shape "$2" ${3:+--ranks ${*:3}} --models "$models" --out "$out/$name.json" \
+    > "$out/$name.txt" 2>&1
+  tail -8 "$out/$name.txt"
   ;;
 push)
   model "$2"
