@@ -355,7 +355,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"'{key}' must be a list, got {value!r}.")
         return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+    if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"'{key}' must be a mapping (a block of key: value lines), got {value!r}.")
         return dict(value)

@@ -97,7 +97,8 @@ class ColocatedGeneration(VLLMGeneration):
     TRL's own sleep handling is switched off (``enable_sleep_mode=False`` towards
     TRL); this class wakes the engine before each generation and puts it back to
     sleep afterwards, also when generation raises. A sync wakes the weights, writes
-    them, and wakes the KV cache while the device is still writing.
+    them, and wakes the KV cache while the device is still writing. Completions are
+    not detokenized by vLLM unless stop strings need it (TRL decodes them itself).
     """
 
     def __init__(
@@ -115,6 +116,10 @@ class ColocatedGeneration(VLLMGeneration):
         self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
         super().__init__(*args, **kwargs)
+        # TRL reads token ids and logprobs, never the text. vLLM would detokenize every sampled token (and its
+        # logprob's token) on the CPU between decode steps; stop strings need the text, so they keep it.
+        if not self.generation_kwargs.get("stop"):
+            self.generation_kwargs = {"detokenize": False, **self.generation_kwargs}
 
     def _init_vllm(self) -> None:
         self.llm: Engine = self._engine_factory(self)

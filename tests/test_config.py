@@ -58,6 +58,10 @@ def test_lora_is_merge_aware_by_default_where_it_applies(raw, dtype, mode):
     assert merge_aware_mode(load_config(raw), dtype) == mode
 
 
+def test_trl_mapping_fields_take_a_mapping():
+    assert load_config({"trl": {"generation_kwargs": {"stop": ["\n"]}}}).trl["generation_kwargs"] == {"stop": ["\n"]}
+
+
 def test_yaml_1_1_exponent_without_dot_is_a_number():
     assert load_config("learning_rate: 1e-5\n").learning_rate == 1e-5
 

@@ -147,6 +147,15 @@ def test_a_second_run_reuses_the_sleeping_engine(tmp_path):
     assert first.metrics.series("reward") and second.metrics.series("reward")
 
 
+@pytest.mark.parametrize(("stop", "detokenize"), [(None, False), (["\n"], True)])
+def test_completions_are_not_detokenized_unless_stop_strings_need_it(tmp_path, stop, detokenize):
+    trl = {"generation_kwargs": {"stop": stop}} if stop else None
+    trainer = build_trainer(tiny_config(tmp_path, trl=trl, max_steps=1))
+    assert trainer.vllm_generation.generation_kwargs.get("detokenize", True) is detokenize
+    trainer.train()  # TRL reads token ids and logprobs only
+    assert trainer.metrics.series("reward")
+
+
 def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
     """kv_cache: batch, the default: vLLM never preempts a sequence, and the rest of the memory stays with training."""
     engine = build_trainer(tiny_config(tmp_path)).engine
