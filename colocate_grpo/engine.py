@@ -172,6 +172,8 @@ class Engine:
             )
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
         self.weights_pinned = False  # see pin_weights
+        # Whether this vLLM's pool can release the KV cache alone: looked up once, not at every sleep.
+        self._kv_cache_releasable = not self.sleep_mode or _kv_cache_release_reachable(self.llm)
         # vLLM computes from packed copies on this CPU (see _plain_cpu_linears): only its reload repacks them.
         self._packed = not _weights_are_plain(self.model)
         if self._packed:
@@ -273,7 +275,7 @@ class Engine:
         Always without sleep mode (CPU), where sleeping frees nothing; on GPUs where this vLLM's
         sleep-mode pool and executor are laid out as 0.26's are (``_release_kv_cache``).
         """
-        return not self.sleep_mode or _kv_cache_release_reachable(self._require_open())
+        return self._kv_cache_releasable
 
     def sleep_kv_cache(self) -> None:
         """Release the KV cache's device memory and keep the weights resident (and mapped where they are).
