@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import socket
 import statistics
 import subprocess
@@ -24,21 +23,20 @@ import sys
 from pathlib import Path
 
 import yaml
-from sync_vs_trl import GENERATION_BATCH, build_model, user_config
+from sync_vs_trl import GENERATION_BATCH, build_model, random_prompts, user_config
 
 HERE = Path(__file__).parent
 
 
 def prompts(model_path: str, tiny: bool) -> list[str]:
-    """256 prompts: the arithmetic task's on the tiny model, random words of the vocabulary otherwise."""
+    """256 prompts: the arithmetic task's on the tiny model, as ``sync_vs_trl.py``'s random words otherwise."""
     if tiny:
         from colocate_grpo.tasks import arithmetic_dataset
 
         return list(arithmetic_dataset(size=256)["prompt"])
     from transformers import AutoTokenizer
 
-    vocab, rng = len(AutoTokenizer.from_pretrained(model_path)), random.Random(0)
-    return [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(64)) for _ in range(256)]
+    return random_prompts(len(AutoTokenizer.from_pretrained(model_path)), 256)
 
 
 def free_port() -> int:

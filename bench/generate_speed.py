@@ -30,18 +30,14 @@ from pathlib import Path
 PROMPTS = 8
 GENERATIONS = 8
 COMPLETION_TOKENS = 256
-PROMPT_TOKENS = 32
 ENGINES = ["stock", "ours", "ours-512", "ours-0.3", "ours-fraction"]
 
 
 def prompts(model_path: str) -> list[str]:
-    import random
-
+    from sync_vs_trl import random_prompts
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(model_path))
-    rng = random.Random(0)
-    distinct = [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(PROMPTS)]
+    distinct = random_prompts(len(AutoTokenizer.from_pretrained(model_path)), PROMPTS)
     return [p for p in distinct for _ in range(GENERATIONS)]
 
 

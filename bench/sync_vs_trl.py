@@ -52,6 +52,14 @@ def diversity_reward(completions: list[str], **_: object) -> list[float]:
     return [len(set(c.split())) / max(1, len(c.split())) for c in completions]
 
 
+def random_prompts(vocab: int, count: int) -> list[str]:
+    """``count`` prompts of ``PROMPT_TOKENS`` random words of a ``build_model`` vocabulary, the same every call."""
+    import random
+
+    rng = random.Random(0)
+    return [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(count)]
+
+
 def build_model(shape: str, directory: Path) -> str:
     """A random-weight bf16 Qwen2 of ``shape`` with a word-level tokenizer covering its vocabulary."""
     if shape == "tiny":
@@ -265,7 +273,6 @@ def run_one(
     kind: str, model_path: str, steps: int, tiny: bool, card_gib: float | None = None, micro_batch: int = 64
 ) -> dict:
     """One training run in this process; returns its measurements."""
-    import random
 
     import torch
     from datasets import Dataset
@@ -280,16 +287,12 @@ def run_one(
     device_total = torch.cuda.mem_get_info()[1] if cuda else 0
     taken = take_device_memory(card_gib) if card_gib else None  # noqa: F841 (held for the run)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rng = random.Random(0)
     if tiny:
         from colocate_grpo.tasks import arithmetic_dataset
 
         dataset = arithmetic_dataset(size=256)
     else:
-        vocab = len(tokenizer)
-        dataset = Dataset.from_dict(
-            {"prompt": [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(256)]}
-        )
+        dataset = Dataset.from_dict({"prompt": random_prompts(len(tokenizer), 256)})
     completion_tokens = 4 if tiny else 256
     max_model_len = 32 if tiny else 512
     args = GRPOConfig(
