@@ -190,14 +190,15 @@ class Config:
         return int(self.trl_settings["max_completion_length"])
 
     @property
+    def serves_adapter(self) -> bool:
+        """Whether vLLM serves the LoRA adapter on the base (trl.vllm_lora_sync) rather than merged weights."""
+        return self.adapter == "lora" and bool(self.trl.get("vllm_lora_sync"))
+
+    @property
     def shares_base_weights(self) -> bool:
-        """Whether the trainer and the engine hold one copy of the base weights: LoRA served as an
-        adapter (trl.vllm_lora_sync) on an unquantized base, whose weights training never changes."""
-        return (
-            self.adapter == "lora"
-            and bool(self.trl.get("vllm_lora_sync"))
-            and not (self.load_in_4bit or self.load_in_8bit)
-        )
+        """Whether the trainer and the engine hold one copy of the base weights: the adapter served on an
+        unquantized base, whose weights training never changes."""
+        return self.serves_adapter and not (self.load_in_4bit or self.load_in_8bit)
 
     @property
     def engine_max_model_len(self) -> int:

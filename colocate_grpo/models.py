@@ -201,7 +201,7 @@ def merge_aware_mode(config: Config, dtype: torch.dtype) -> str | None:
         return config.lora_merge_aware
     if config.adapter != "lora" or config.peft_use_dora or config.load_in_4bit or config.load_in_8bit:
         return None
-    if config.trl.get("vllm_lora_sync"):  # the engine applies the adapter itself: there is no merge to match
+    if config.serves_adapter:  # the engine applies the adapter itself: there is no merge to match
         return None
     return "fp16" if dtype == torch.float16 else "bf16"
 

@@ -172,7 +172,7 @@ def build_trainer(
             callbacks=[metrics, *(callbacks or [])],
             vllm_options=config.vllm,
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
-            serve_adapter=bool(config.trl.get("vllm_lora_sync")),
+            serve_adapter=config.serves_adapter,
         )
     metrics.context["served_as"] = trainer.served_as
     if is_main_process():
