@@ -3,7 +3,8 @@
 The engine loads the adapter once (``Engine.load_adapter``) and keeps it pinned in its one LoRA
 slot. Each sync then writes the trainer's factors straight into vLLM's LoRA buffers: A as it is,
 B times the layer's scaling (vLLM's layout), both cast to the engine's dtype. No file, no load
-request, no merge: the base weights the engine holds are never changed by a sync.
+request, no merge: the base weights the engine holds are never changed by a sync. On GPUs the
+write, a few hundred small copies, is replayed as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ from colocate_grpo.sync import hf_name
 
 
 @dataclass(frozen=True)
+class _Capture:
+    """A captured CUDA graph of the write, the factors it was captured for, and the tensors it reads then."""
+
+    graph: torch.cuda.CUDAGraph
+    key: tuple  # AdapterWrites._factors_key() at the capture
+    reads: list[torch.Tensor]
+    addresses: list[int]
+
+    def reads_same_memory(self) -> bool:
+        return list(map(torch.Tensor.data_ptr, self.reads)) == self.addresses
+
+
+@dataclass(frozen=True)
 class _FactorViews:
     """One trainer LoRA layer and where its factors live in the engine's buffers."""
 
@@ -31,6 +45,13 @@ class _FactorViews:
 
 class AdapterWrites:
     """Writing one trainer model's LoRA factors into one engine's LoRA buffers.
+
+    On GPUs the write (two fused copies with a cast and a scaling, which PyTorch runs as one kernel
+    per tensor: some 600 launches at 1.5B) is captured once after an eager write and then replayed:
+    the optimizer updates the factors in place, and vLLM's buffers stay at their addresses through
+    its sleeps. Which factors each layer uses (PEFT's active adapter, its scaling) is read while the
+    device replays; where it changed, or a factor moved, the write runs eagerly and is captured again.
+    A stale replay only writes values that this eager write then overwrites.
 
     Raises:
         ValueError: when a trainer LoRA layer has no place in the engine (vLLM serves no LoRA on that
@@ -47,6 +68,7 @@ class AdapterWrites:
         packed = getattr(engine.model, "packed_modules_mapping", None) or {}
         self.views: list[_FactorViews] = []
         self.buffers: list[torch.Tensor] = []  # every LoRA buffer of the engine, all slots
+        self.capture: _Capture | None = None
         # The engine's slot may hold another trainer's adapter (a reused engine), with slices this one leaves out.
         self.cleared = False
         for module_name, module in engine_layers.items():
@@ -96,9 +118,33 @@ class AdapterWrites:
         if clear or not self.cleared:
             torch._foreach_zero_(self.buffers)
             self.cleared = True
+        if self.capture is not None and self.capture.reads_same_memory():
+            self.capture.graph.replay()
+            if self._factors_key() == self.capture.key:  # read while the device writes
+                return
+        factors = self._factors()
+        self._write(factors)
+        if not self.views or not self.views[0].a.is_cuda:
+            return
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._write(factors)
+        reads = [t for f in factors for t in f[:2]]
+        # Only a completed capture is ever replayed.
+        self.capture = _Capture(graph, self._factors_key(), reads, list(map(torch.Tensor.data_ptr, reads)))
+
+    def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         factors = [lora_factors(view.layer) for view in self.views]
         if any(f is None for f in factors):
             raise ValueError("An adapter was disabled or merged since the engine loaded it; cannot serve it.")
+        return factors
+
+    def _factors_key(self) -> tuple:
+        """Which factors each layer uses now, at which addresses, with which scaling."""
+        factors = [lora_factors(view.layer) for view in self.views]
+        return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)
+
+    def _write(self, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         torch._foreach_copy_([v.a for v in self.views], [f[0] for f in factors])
         scaled = torch._foreach_mul([f[1] for f in factors], [f[2] for f in factors])
         torch._foreach_copy_([v.b for v in self.views], scaled)
