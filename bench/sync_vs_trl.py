@@ -8,7 +8,8 @@ colocate_grpo with the same ordinary PEFT LoRA (``ours``),
 and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
 ``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch; ``ours-adapter``
 is ``ours`` with the adapter served by vLLM's LoRA kernels (``serve_adapter``) instead of merged, the
-trainer's base weights shared with the engine's; ``ours-adapter-own`` the same on two copies of the base. Each
+trainer's base weights shared with the engine's; ``ours-adapter-own`` the same on two copies of the base;
+``stock-4bit`` is stock TRL on the NF4 base that ``user-4bit`` (``load_in_4bit: true``) trains. Each
 (shape, trainer) pair runs in its own process: vLLM allows one sleep-mode engine per process.
 The driver builds each shape's random-weight model once, runs both trainers, and prints a table
 with ratios (colocate_grpo / stock TRL): step time, sync time (the weights' wake and the push;
@@ -326,7 +327,20 @@ def run_one(
         trainer = build_trainer(config)
         model = trainer.model
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
+        if kind == "stock-4bit":  # stock TRL with the 4-bit base a QLoRA user loads (NF4, as load_in_4bit does)
+            from transformers import BitsAndBytesConfig
+
+            quantized = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch.bfloat16, quantization_config=quantized
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
         lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
     if kind.startswith("ours-ma"):
@@ -334,12 +348,12 @@ def run_one(
 
         install_merge_aware(model, "bf16")
     # The floor's two copies of the weights would not fit beside the run on a simulated card.
-    floor_s = copy_floor_s(model) if cuda and not card_gib else float("nan")
+    floor_s = copy_floor_s(model) if cuda and not card_gib and not kind.endswith("4bit") else float("nan")
     base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
     common = dict(
         model=model, reward_funcs=[diversity_reward], args=args, train_dataset=dataset, processing_class=tokenizer
     )
-    if kind == "stock":
+    if kind.startswith("stock"):
         trainer = GRPOTrainer(**common)
     elif kind not in USER_SERVING:
         # CUDA graphs on, as stock TRL's engine has them.
@@ -395,7 +409,7 @@ def run_one(
     time_gc_pauses(phases, current)
     pushes: list = []
     adapter_pushes: list = []
-    if kind != "stock":
+    if not kind.startswith("stock"):
         time_sync_parts(phases, current)
         if cuda:
             time_push_on_device(pushes)
@@ -584,7 +598,7 @@ def table(results: list[dict]) -> str:
         runs = {r["kind"]: r for r in results if r["shape"] == shape and "failed" not in r}
         stock = runs.get("stock")
         for kind, ours in runs.items():
-            if kind == "stock":
+            if kind.startswith("stock"):
                 continue
             floor = (
                 f"sync / copy floor {ours['repeat_sync_s'] / ours['copy_floor_s']:.3g}x, "

@@ -138,7 +138,11 @@ class Config:
     )
     peft_use_dora: bool = field(default=False, metadata={"help": "DoRA adapters (not with lora_merge_aware)."})
     load_in_4bit: bool = field(
-        default=False, metadata={"help": "bitsandbytes 4-bit base (QLoRA); refused until the engine can serve it."}
+        default=False,
+        metadata={
+            "help": "bitsandbytes NF4 base (QLoRA): vLLM quantizes the same checkpoint to the same codes and serves "
+            "the base with the adapter (as trl.vllm_lora_sync does)."
+        },
     )
     load_in_8bit: bool = field(
         default=False, metadata={"help": "bitsandbytes 8-bit base (refused: vLLM cannot serve it colocated)."}
@@ -191,8 +195,9 @@ class Config:
 
     @property
     def serves_adapter(self) -> bool:
-        """Whether vLLM serves the LoRA adapter on the base (trl.vllm_lora_sync) rather than merged weights."""
-        return self.adapter == "lora" and bool(self.trl.get("vllm_lora_sync"))
+        """Whether vLLM serves the LoRA adapter on the base (trl.vllm_lora_sync, or a 4-bit base) rather than merged
+        weights."""
+        return self.adapter == "lora" and bool(self.trl.get("vllm_lora_sync") or self.load_in_4bit)
 
     @property
     def shares_base_weights(self) -> bool:
@@ -473,11 +478,10 @@ def _check_combinations(c: Config) -> None:
             "Remove it and train a bf16 base with LoRA (the memory plan printed at start says whether it fits), or "
             "pick a smaller base_model."
         )
-    if c.load_in_4bit:
+    if c.load_in_4bit and c.trl.get("vllm_lora_sync") is False:
         raise ConfigError(
-            "'load_in_4bit: true' is not supported yet: the colocated engine serves bf16 weights and cannot hold a "
-            "4-bit base yet. Remove it and train a bf16 base with LoRA (the memory plan printed at start says "
-            "whether it fits), or pick a smaller base_model."
+            "'load_in_4bit: true' is served as the 4-bit base with the adapter ('trl.vllm_lora_sync: false' asks for "
+            "merged weights, which a 4-bit base cannot take exactly): remove 'trl.vllm_lora_sync: false'."
         )
     merge_aware = c.lora_merge_aware not in (None, "auto")
     if c.adapter is None and (merge_aware or c.load_in_4bit or c.load_in_8bit or c.peft_use_dora):
@@ -516,23 +520,24 @@ def _check_combinations(c: Config) -> None:
                 "'trl.cast_lm_head_to_fp32: true' needs a head without LoRA: remove lm_head from "
                 "'lora_target_modules', or remove 'trl.cast_lm_head_to_fp32'."
             )
-    if c.trl.get("vllm_lora_sync"):
+    key = "load_in_4bit" if c.load_in_4bit else "trl.vllm_lora_sync"
+    if c.trl.get("vllm_lora_sync") or c.load_in_4bit:
         if c.adapter is None:
             raise ConfigError(
-                "'trl.vllm_lora_sync: true' serves a LoRA adapter, and full fine-tuning has none: set 'adapter: lora' "
-                "or remove 'trl.vllm_lora_sync'."
+                f"'{key}: true' serves a LoRA adapter on the base, and full fine-tuning has none: set 'adapter: "
+                f"lora' or remove '{key}'."
             )
         if c.peft_use_dora:
             raise ConfigError(
-                "'trl.vllm_lora_sync: true' cannot serve DoRA adapters (vLLM's LoRA kernels have no DoRA): remove "
-                "'peft_use_dora' or 'trl.vllm_lora_sync'."
+                f"'{key}: true' serves the adapter with vLLM's LoRA kernels, which have no DoRA: remove "
+                f"'peft_use_dora' or '{key}'."
             )
         outside = sorted(set(c.lora_target_modules or []) & {"embed_tokens", "lm_head"})
         if outside:
             raise ConfigError(
                 f"'lora_target_modules' lists {', '.join(outside)}, which vLLM does not serve LoRA on with "
-                "'trl.vllm_lora_sync: true' (it serves the decoder's linear layers): remove them, or remove "
-                "'trl.vllm_lora_sync' to serve merged weights."
+                f"'{key}: true' (it serves the decoder's linear layers): remove them"
+                + ("." if c.load_in_4bit else ", or remove 'trl.vllm_lora_sync' to serve merged weights.")
             )
 
 

@@ -89,6 +89,9 @@ class Engine:
         max_num_seqs: largest number of sequences generated at once; with ``kv_cache: batch`` the KV
             cache holds that many at ``max_model_len`` tokens.
         seed: sampling seed; the caller's global RNG states are preserved across engine creation.
+        quantization: ``"bitsandbytes"`` quantizes the checkpoint to NF4 as it loads (a 4-bit base). Its
+            weights are then pinned (:meth:`pin_weights`): vLLM keeps their quantization states outside
+            the tensors a level-2 sleep saves, and the base never changes.
         max_lora_rank: serve one LoRA adapter of at most this rank with vLLM's LoRA kernels (a rank
             vLLM supports, see ``VLLM_LORA_RANKS``); None serves the weights alone.
         fp32_head: compute the logits in fp32 from the head's weights (``head_dtype: float32``), as the
@@ -122,6 +125,7 @@ class Engine:
         self.model_path = model_path
         self.dtype = dtype if options.dtype == "auto" else options.dtype
         self.max_lora_rank = max_lora_rank
+        self.quantization = quantization
         self.fp32_head = fp32_head
         self.adapter_request: Any = None  # vLLM's LoRARequest once an adapter is loaded (load_adapter)
         self._adapter_directory: tempfile.TemporaryDirectory | None = None
@@ -185,6 +189,8 @@ class Engine:
         # The model's buffers and copies of them, by dtype, while a level-2 sleep has discarded them.
         self._saved_buffers: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         _live_engine = weakref.ref(self)
+        if quantization is not None:
+            self.pin_weights()
 
     def _memory(self, max_num_seqs: int | None, trust_remote_code: bool) -> tuple[float, int | None]:
         """vLLM's ``gpu_memory_utilization`` and KV cache bytes (None: vLLM sizes the cache from the fraction)."""
@@ -551,11 +557,13 @@ class Engine:
         dtype: str,
         max_lora_rank: int | None = None,
         fp32_head: bool = False,
+        quantization: str | None = None,
     ) -> bool:
-        """True when this open engine was built for that base model, dtype, ``vllm:`` block, LoRA rank and head."""
+        """True when this open engine was built for that base model, dtype, ``vllm:`` block, LoRA rank, head and
+        quantization."""
         wanted = dtype if options.dtype == "auto" else options.dtype
-        built = (self.model_path, self.options, self.dtype, self.max_lora_rank, self.fp32_head)
-        return not self.closed and built == (model_path, options, wanted, max_lora_rank, fp32_head)
+        built = (self.model_path, self.options, self.dtype, self.max_lora_rank, self.fp32_head, self.quantization)
+        return not self.closed and built == (model_path, options, wanted, max_lora_rank, fp32_head, quantization)
 
     @property
     def head_dtype(self) -> torch.dtype:
@@ -654,7 +662,12 @@ def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16",
     """
     engine = live_engine()
     if engine is not None and engine.serves(
-        model_path, options, dtype, kwargs.get("max_lora_rank"), kwargs.get("fp32_head", False)
+        model_path,
+        options,
+        dtype,
+        kwargs.get("max_lora_rank"),
+        kwargs.get("fp32_head", False),
+        kwargs.get("quantization"),
     ):
         return engine
     return Engine(model_path, options, dtype=dtype, **kwargs)

@@ -36,6 +36,9 @@ MIN_NUM_SEQS = 64
 # upcasts adapters), and so are their gradients and moments; full fine-tuning keeps all in the model's dtype.
 _TRAINING_COPIES = 3
 _LORA_ITEMSIZE = 4
+# A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer's
+# double-quantized scales take less; counted the same). Embeddings, head and norms stay in the model's dtype.
+_NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
 
 
 class MemoryPlanError(ConfigError):
@@ -213,6 +216,9 @@ def plan_memory(
         dtype: the training dtype; the engine serves the same.
     """
     weights = shape.parameters * dtype.itemsize
+    if config.load_in_4bit:
+        linear = sum(out * in_ for _, out, in_ in shape.linear_shapes)
+        weights += int(linear * (_NF4_BYTES_PER_WEIGHT - dtype.itemsize))
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
@@ -272,11 +278,12 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
     if config.adapter is None:
         fixes.insert(0, "'adapter: lora' instead of full fine-tuning (no gradients or optimizer states for the base)")
     elif not config.shares_base_weights and not (config.load_in_4bit or config.load_in_8bit):
-        fixes.insert(
-            0,
+        fixes[:0] = [
             f"'trl.vllm_lora_sync: true' (vLLM serves the adapter, and the trainer and the engine share one copy of "
             f"the base weights: {_gib(plan.engine_weights)} GiB less)",
-        )
+            "'load_in_4bit: true' (QLoRA: the base's linear weights in 4 bits on both sides, about 0.28x their bf16 "
+            "size)",
+        ]
     if not config.vllm.enforce_eager:
         fixes.append(f"'vllm.enforce_eager: true' (saves the graphs' {_gib(CUDA_GRAPH_BYTES)} GiB, decodes slower)")
     short = plan.generation_peak - plan.free

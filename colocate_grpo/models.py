@@ -28,9 +28,13 @@ def resolve_device(config: Config) -> str:
     """``cuda`` or ``cpu``; ``auto`` picks cuda when a GPU is visible."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("'device: cuda' but no CUDA GPU is visible. Use 'device: auto' or 'device: cpu'.")
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.device
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
+    if config.load_in_4bit and device != "cuda":
+        raise ConfigError(
+            "'load_in_4bit: true' needs a CUDA GPU: vLLM quantizes with bitsandbytes on GPUs only. Remove it to train "
+            "a bf16 base on the CPU."
+        )
+    return device
 
 
 def training_dtype(device: str) -> torch.dtype:
@@ -163,11 +167,17 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
     """
     dtype = training_dtype(device)
     kwargs: dict = {"dtype": dtype}
-    if config.load_in_4bit or config.load_in_8bit:
+    if config.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
+        # What vLLM's in-flight bitsandbytes quantization does to the same checkpoint (NF4, blocks of 64, the
+        # blocks' scales quantized again), so that both sides hold the same codes (colocate_grpo.quantized).
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=config.load_in_4bit, load_in_8bit=config.load_in_8bit, bnb_4bit_compute_dtype=dtype
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=torch.uint8,
         )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     # A base the engine will share stays in host memory: the trainer then takes the engine's copy and

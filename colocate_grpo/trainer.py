@@ -29,6 +29,7 @@ from colocate_grpo.engine import Engine, Weights, engine_lora_rank, shared_engin
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
 from colocate_grpo.memory_plan import MIN_NUM_SEQS
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
+from colocate_grpo.quantized import served_code_mismatches
 from colocate_grpo.shared_base import share_base_weights
 from colocate_grpo.sync import push_weights, served_weight_mismatches
 
@@ -82,6 +83,12 @@ class MergeCheck:
             )
         self.checks += 1
         self.log(metrics)
+
+    def report_codes(self, mismatches: list[str]) -> None:
+        """Log whether the engine's 4-bit base holds the trainer's codes and block scales bitwise."""
+        if mismatches:
+            logger.error("vLLM's 4-bit base differs from the trainer's for: %s", ", ".join(mismatches[:5]))
+        self.log({"qlora/served_codes_equal_trained": float(not mismatches)})
 
     def report_adapter(self, mismatches: list[str]) -> None:
         """Log whether the engine's LoRA buffers hold the trainer's factors bitwise (adapter serving)."""
@@ -143,8 +150,9 @@ class ColocatedGeneration(VLLMGeneration):
         with self.clock.phase("sync"):
             if self.serve_adapter:
                 # The base weights go only where the engine lost them (a level-2 sleep), with its LoRA buffers.
-                base_lost = self.llm.state.weights is not Weights.RESIDENT
-                if base_lost and not self.shares_base:  # shared weights are written by nobody, ever
+                # Pinned ones (shared with the trainer, or 4-bit) are never lost, and written by nobody, ever.
+                base_lost = self.llm.state.weights is not Weights.RESIDENT and not self.llm.weights_pinned
+                if base_lost:
                     push_weights(self.model, self.llm, merge=False)
                 push_adapter(self.model, self.llm, clear=base_lost)
             else:
@@ -156,6 +164,8 @@ class ColocatedGeneration(VLLMGeneration):
             return
         if self.serve_adapter:
             check.report_adapter(served_adapter_mismatches(self.model, self.llm))
+            if self.llm.quantization is not None:
+                check.report_codes(served_code_mismatches(self.model, self.llm))
         else:
             check.report(stats, served_weight_mismatches(self.model, self.llm) if check.merge_aware else None)
 
@@ -260,6 +270,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 trust_remote_code=args.trust_remote_code,
                 max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
                 fp32_head=fp32_head,
+                # The same checkpoint, quantized by vLLM as transformers quantized the trainer's (models.load_model).
+                quantization="bitsandbytes" if getattr(model, "is_loaded_in_4bit", False) else None,
             )
 
         shared_base_bytes = 0
@@ -302,6 +314,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
 
     @property
     def _served_weights(self) -> str:
+        if self.engine.quantization is not None:
+            return "4-bit base + adapter (vLLM's bitsandbytes NF4 base, the trainer's codes, and its LoRA kernels)"
         if self.vllm_generation.shares_base:
             return "adapter (vLLM's LoRA kernels on the base weights, one copy shared with the trainer)"
         if self.vllm_generation.serve_adapter:

@@ -52,6 +52,7 @@ def test_defaults_are_a_colocated_sleeping_engine():
         ({"peft_use_dora": True}, torch.bfloat16, None),  # where it does not apply, auto steps aside
         ({"adapter": None}, torch.bfloat16, None),
         ({"trl": {"vllm_lora_sync": True}}, torch.bfloat16, None),  # the engine applies the adapter: no merge
+        ({"load_in_4bit": True}, torch.bfloat16, None),  # a 4-bit base: the adapter is served
     ],
 )
 def test_lora_is_merge_aware_by_default_where_it_applies(raw, dtype, mode):
@@ -77,7 +78,8 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"trl": {"temperature": "hot"}}, ["'trl.temperature'", "'hot'"]),
         ({"vllm": {"gpu_memory_utilization": 1.5}}, ["'vllm.gpu_memory_utilization' must be 'auto' or in (0, 1]"]),
         ({"vllm": {"gpu_memory_utilization": "atuo"}}, ["'vllm.gpu_memory_utilization' must be a number or 'auto'"]),
-        ({"load_in_4bit": True}, ["'load_in_4bit: true' is not supported yet", "bf16 base with LoRA"]),
+        ({"load_in_4bit": True, "trl": {"vllm_lora_sync": False}}, ["'load_in_4bit: true' is served", "remove"]),
+        ({"load_in_4bit": True, "peft_use_dora": True}, ["'load_in_4bit: true'", "no DoRA"]),
         ({"load_in_8bit": True}, ["'load_in_8bit: true' cannot be served", "no in-flight 8-bit", "bf16 base"]),
         ({"vllm": {"max_model_len": 100}}, ["'vllm.max_model_len' (100) is below", "512 + 256"]),
         ({"lora_merge_aware": "bf17"}, ["'lora_merge_aware' must be", "'bf16'"]),
@@ -85,7 +87,7 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"lora_merge_aware": "bf16", "load_in_4bit": True}, ["'load_in_4bit: true'"]),
         ({"lora_merge_aware": "bf16", "trl": {"vllm_lora_sync": True}}, ["'trl.vllm_lora_sync: true'"]),
         ({"adapter": None, "trl": {"vllm_lora_sync": True}}, ["full fine-tuning has none", "'adapter: lora'"]),
-        ({"peft_use_dora": True, "trl": {"vllm_lora_sync": True}}, ["cannot serve DoRA", "'peft_use_dora'"]),
+        ({"peft_use_dora": True, "trl": {"vllm_lora_sync": True}}, ["no DoRA", "'peft_use_dora'"]),
         (
             {"lora_target_linear": False, "lora_target_modules": ["lm_head"], "trl": {"vllm_lora_sync": True}},
             ["'lora_target_modules' lists lm_head", "remove them"],
