@@ -30,7 +30,14 @@ import numpy as np
 import torch
 
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.memory_plan import ACTIVATION_MARGIN_BYTES, batch_kv_cache_bytes, checkpoint_bytes, engine_bytes
+from colocate_grpo.memory_plan import (
+    ACTIVATION_MARGIN_BYTES,
+    batch_kv_cache_bytes,
+    checkpoint_bytes,
+    engine_bytes,
+    model_shape,
+    weight_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +214,9 @@ class Engine:
             largest = int(self.options.cpu_kv_cache_gib * 2**30)
             return (FALLBACK_FRACTION if fraction == "auto" else fraction), min(needed or largest, largest)
         weights = checkpoint_bytes(self.model_path)
+        if self.quantization == "bitsandbytes":  # the checkpoint's bf16 linear weights, quantized to NF4 as they load
+            shape = model_shape(self.model_path, getattr(torch, self.dtype), trust_remote_code)
+            weights = None if shape is None else weight_bytes(shape, getattr(torch, self.dtype), four_bit=True)
         total = torch.cuda.mem_get_info()[1]
         if needed is None or weights is None:
             fraction = FALLBACK_FRACTION if fraction == "auto" else fraction

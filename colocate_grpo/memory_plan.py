@@ -147,6 +147,16 @@ def checkpoint_bytes(model_path: str) -> int | None:
     return sum(f.stat().st_size for f in files) or None
 
 
+def weight_bytes(shape: ModelShape, dtype: torch.dtype, four_bit: bool = False) -> int:
+    """Bytes of the model's weights in ``dtype``; with ``four_bit``, its linear weights in NF4 (embeddings, head and
+    norms stay in ``dtype``)."""
+    weights = shape.parameters * dtype.itemsize
+    if four_bit:
+        linear = sum(out * in_ for _, out, in_ in shape.linear_shapes)
+        weights += int(linear * (_NF4_BYTES_PER_WEIGHT - dtype.itemsize))
+    return weights
+
+
 def engine_bytes(weights: int, kv_cache: int, cuda_graphs: bool) -> int:
     """Device bytes the engine takes while it generates: weights, KV cache, forward and (if on) CUDA graphs."""
     return weights + kv_cache + ACTIVATION_MARGIN_BYTES + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
@@ -215,10 +225,7 @@ def plan_memory(
         shape: the model's shape (:func:`model_shape`).
         dtype: the training dtype; the engine serves the same.
     """
-    weights = shape.parameters * dtype.itemsize
-    if config.load_in_4bit:
-        linear = sum(out * in_ for _, out, in_ in shape.linear_shapes)
-        weights += int(linear * (_NF4_BYTES_PER_WEIGHT - dtype.itemsize))
+    weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
