@@ -224,7 +224,7 @@ USER_SERVING = {
     "user": {},
     "user-merged": {"lora_merge_aware": None},
     "user-adapter": {"trl": {"vllm_lora_sync": True}},
-    "user-4bit": {"load_in_4bit": True, "trl": {"vllm_lora_sync": True}},
+    "user-4bit": {"load_in_4bit": True},
     "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
 }
 
