@@ -48,7 +48,12 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
         return 0
     engine.wake_up(["weights"])
     if engine.state.weights is not Weights.RESIDENT:  # a level-2 sleep discarded them: the trainer's go in
-        engine.load_weights(base.items())
+        # Straight into the views: vLLM's loader no longer knows the Hugging Face names once LoRA wrapped the layers.
+        with engine.writing_weights():
+            for name, param in base.items():
+                views[name].rows.copy_(param)
+                if views[name].padding is not None:
+                    views[name].padding.zero_()
     for name, param in base.items():
         rows = views[name].rows
         if rows.dtype != param.dtype or not torch.equal(rows, param.to(rows.device)):
