@@ -201,9 +201,9 @@ class Config:
 
     @property
     def shares_base_weights(self) -> bool:
-        """Whether the trainer and the engine hold one copy of the base weights: the adapter served on an
-        unquantized base, whose weights training never changes."""
-        return self.serves_adapter and not (self.load_in_4bit or self.load_in_8bit)
+        """Whether the trainer and the engine hold one copy of the base weights (bf16 or 4-bit): the adapter
+        served, so that training never changes them."""
+        return self.serves_adapter
 
     @property
     def engine_max_model_len(self) -> int:

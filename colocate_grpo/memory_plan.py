@@ -36,8 +36,8 @@ MIN_NUM_SEQS = 64
 # upcasts adapters), and so are their gradients and moments; full fine-tuning keeps all in the model's dtype.
 _TRAINING_COPIES = 3
 _LORA_ITEMSIZE = 4
-# A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer's
-# double-quantized scales take less; counted the same). Embeddings, head and norms stay in the model's dtype.
+# A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer
+# computes with the same). Embeddings, head and norms stay in the model's dtype.
 _NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
 
 
@@ -288,7 +288,7 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
         fixes[:0] = [
             f"'trl.vllm_lora_sync: true' (vLLM serves the adapter, and the trainer and the engine share one copy of "
             f"the base weights: {_gib(plan.engine_weights)} GiB less)",
-            "'load_in_4bit: true' (QLoRA: the base's linear weights in 4 bits on both sides, about 0.28x their bf16 "
+            "'load_in_4bit: true' (QLoRA: one copy of the base, its linear weights in 4 bits, about 0.28x their bf16 "
             "size)",
         ]
     if not config.vllm.enforce_eager:

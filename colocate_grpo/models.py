@@ -163,27 +163,21 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
     """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``.
 
     A base the engine will share (``config.shares_base_weights``) is left in host memory; the
-    trainer moves the model once its base weights are the engine's.
+    trainer moves the model once its base weights are the engine's. A 4-bit base is not loaded at
+    all: its layers hold nothing until they become views of the engine's NF4 weights
+    (:mod:`colocate_grpo.quantized`).
     """
     dtype = training_dtype(device)
-    kwargs: dict = {"dtype": dtype}
     if config.load_in_4bit:
-        from transformers import BitsAndBytesConfig
+        from colocate_grpo.quantized import empty_4bit_model
 
-        # What vLLM's in-flight bitsandbytes quantization does to the same checkpoint (NF4, blocks of 64, the
-        # blocks' scales quantized again), so that both sides hold the same codes (colocate_grpo.quantized).
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_quant_storage=torch.uint8,
-        )
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
-    # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
-    if not (config.load_in_4bit or config.load_in_8bit or config.shares_base_weights):
-        model.to(device)
+        model = empty_4bit_model(path, dtype, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
+        # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
+        if not config.shares_base_weights:
+            model.to(device)
     if config.adapter != "lora":
         return model
     from peft import LoraConfig, get_peft_model

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from colocate_grpo.engine import Engine, Weights
+from colocate_grpo.quantized import share_4bit_base
 from colocate_grpo.sync import hf_name
 
 
@@ -34,13 +35,16 @@ def frozen_base(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
     """Point the trainer's frozen base weights at the engine's parameters and pin those; returns the bytes freed.
 
-    Nothing is shared (0 is returned) for a 4-bit base, where the engine's parameters do not map onto the trainer's
-    tensors (``Engine.parameter_views``), where the engine cannot keep its weights while its KV
+    A 4-bit base is always shared (:func:`colocate_grpo.quantized.share_4bit_base`: the trainer holds
+    no other). A bf16 base is not (0 is returned) where the engine's parameters do not map onto the
+    trainer's tensors (``Engine.parameter_views``), where the engine cannot keep its weights while its KV
     cache sleeps (``Engine.can_sleep_kv_cache_alone``), or where some tensor differs from the
     engine's, bitwise: then the two sides do not hold the same weights, and sharing would change
     what is trained.
     """
-    if not engine.can_sleep_kv_cache_alone or engine.quantization is not None:  # 4-bit bases: two copies, for now
+    if engine.quantization is not None:
+        return share_4bit_base(model, engine)
+    if not engine.can_sleep_kv_cache_alone:
         return 0
     base = frozen_base(model)
     views = engine.parameter_views({name: tuple(param.shape) for name, param in base.items()})

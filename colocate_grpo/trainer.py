@@ -270,7 +270,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 trust_remote_code=args.trust_remote_code,
                 max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
                 fp32_head=fp32_head,
-                # The same checkpoint, quantized by vLLM as transformers quantized the trainer's (models.load_model).
+                # vLLM quantizes the checkpoint; the trainer's 4-bit layers become views of its codes (quantized.py).
                 quantization="bitsandbytes" if getattr(model, "is_loaded_in_4bit", False) else None,
             )
 
@@ -315,7 +315,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
     @property
     def _served_weights(self) -> str:
         if self.engine.quantization is not None:
-            return "4-bit base + adapter (vLLM's bitsandbytes NF4 base, the trainer's codes, and its LoRA kernels)"
+            return "4-bit base + adapter (vLLM's NF4 base, one copy shared with the trainer, and its LoRA kernels)"
         if self.vllm_generation.shares_base:
             return "adapter (vLLM's LoRA kernels on the base weights, one copy shared with the trainer)"
         if self.vllm_generation.serve_adapter:

@@ -76,13 +76,13 @@ sys.exit(main(["--check", {str(default_config_path())!r}]))
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-def test_a_4bit_base_counts_its_linear_weights_at_nf4_size_on_both_sides():
+def test_a_4bit_base_counts_its_linear_weights_at_nf4_size_once():
     config = load_config({"load_in_4bit": True})
     plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
     linear = 1536 * 1536 + 8960 * 1536
     assert plan.engine_weights == 1_500_000_000 * 2 - linear * 2 + int(linear * (0.5 + 4 / 64))
     adapter = 16 * ((1536 + 1536) + (8960 + 1536)) * 4
-    assert plan.trainer_weights == plan.engine_weights + adapter  # two 4-bit copies: the trainer's and vLLM's
+    assert plan.trainer_weights == adapter  # the trainer computes with the engine's 4-bit base
 
 
 def test_the_refusal_offers_the_shared_base_and_a_4bit_base():

