@@ -9,6 +9,7 @@ Each attempt is one ``sync_vs_trl.py`` process of a few steps. Stock TRL's row (
 at the same settings, where it runs.
 
     python bench/memory_frontier.py --shapes 1.5B 7B --cards 16 24 40 80 --out memory_frontier.json
+    python bench/memory_frontier.py --shapes 7B --kinds user-adapter user-4bit --cards 12 16 24 --micro-batch 8
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from sync_vs_trl import USER_SERVING
 HERE = Path(__file__).parent
 
 
-def attempt(shape: str, kind: str, card_gib: float, steps: int, models: str) -> dict:
-    """One run of ``kind`` at ``shape`` on a simulated card: its step time and peak, or why it did not run."""
+def attempt(shape: str, kind: str, card_gib: float, steps: int, models: str, micro_batch: int) -> dict:
+    """One run of ``kind`` at ``shape`` on a simulated card: its step time and peak, or why it did not run.
+
+    ``micro_batch`` sequences go through the trainer at a time, of the step's 64 (8 prompts x 8 generations)."""
     out = Path(models) / f"frontier-{shape}-{kind}-{card_gib:g}.json"
     out.unlink(missing_ok=True)
     command = [sys.executable, str(HERE / "sync_vs_trl.py"), "--shapes", shape, "--kinds", kind]
     command += ["--card-gib", str(card_gib), "--steps", str(steps), "--models", models, "--out", str(out)]
+    command += ["--micro-batch", str(micro_batch)]
     run = subprocess.run(command, capture_output=True, text=True)
     results = json.loads(out.read_text()) if out.exists() else []
     result = results[0] if results else {"failed": run.stderr[-2000:]}
@@ -54,6 +58,9 @@ def main() -> None:
     parser.add_argument("--cards", nargs="+", type=float, default=[16, 24, 40, 80])
     parser.add_argument("--stock", action="store_true", help="also stock TRL at the same settings")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--micro-batch", type=int, default=64, help="sequences per trainer forward (8 fits a 7B shape's on 24 GiB)"
+    )
     parser.add_argument("--out", default="memory_frontier.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
     args = parser.parse_args()
@@ -62,7 +69,7 @@ def main() -> None:
     for shape in args.shapes:
         for kind in [*args.kinds, *(["stock"] if args.stock else [])]:
             for card in sorted(args.cards):
-                row = attempt(shape, kind, card, args.steps, args.models)
+                row = attempt(shape, kind, card, args.steps, args.models, args.micro_batch)
                 rows.append(row)
                 Path(args.out).write_text(json.dumps(rows, indent=1))
                 shown = f"step {row['step_s']:.2f} s" if row["runs"] else f"does not run: {row['reason'][:160]}"
