@@ -7,6 +7,7 @@ anything is written, and raises :class:`~colocate_grpo.config.ConfigError`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable
@@ -33,6 +34,11 @@ def resolve_device(config: Config) -> str:
         raise ConfigError(
             "'load_in_4bit: true' needs a CUDA GPU: vLLM quantizes with bitsandbytes on GPUs only. Remove it to train "
             "a bf16 base on the CPU."
+        )
+    if config.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            "'load_in_4bit: true' needs bitsandbytes, which is not installed: pip install -e \".[quant]\" (or pip "
+            "install bitsandbytes), or remove 'load_in_4bit'."
         )
     return device
 

@@ -264,3 +264,16 @@ def test_chat_prompts_for_a_tokenizer_without_a_chat_template_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "'dataset.chat: true' but the tokenizer of" in result.stderr and "dataset.chat: false" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_4bit_base_is_refused_on_the_cpu_and_without_bitsandbytes(monkeypatch):
+    from colocate_grpo.models import resolve_device
+
+    config = load_config({"load_in_4bit": True})
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        resolve_device(config)
+    # A GPU machine where bitsandbytes is missing: refused before any model loads, with the install line.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ConfigError, match=r"needs bitsandbytes.*\[quant\]"):
+        resolve_device(config)
