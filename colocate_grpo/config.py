@@ -140,8 +140,8 @@ class Config:
     load_in_4bit: bool = field(
         default=False,
         metadata={
-            "help": "bitsandbytes NF4 base (QLoRA): vLLM quantizes the same checkpoint to the same codes and serves "
-            "the base with the adapter (as trl.vllm_lora_sync does)."
+            "help": "bitsandbytes NF4 base (QLoRA, GPUs): vLLM quantizes the checkpoint as it loads, the trainer "
+            "computes with the engine's 4-bit weights (one copy), and vLLM serves the adapter on them."
         },
     )
     load_in_8bit: bool = field(
