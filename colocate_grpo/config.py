@@ -196,14 +196,8 @@ class Config:
     @property
     def serves_adapter(self) -> bool:
         """Whether vLLM serves the LoRA adapter on the base (trl.vllm_lora_sync, or a 4-bit base) rather than merged
-        weights."""
+        weights. The base then never changes, and the trainer and the engine hold one copy of it."""
         return self.adapter == "lora" and bool(self.trl.get("vllm_lora_sync") or self.load_in_4bit)
-
-    @property
-    def shares_base_weights(self) -> bool:
-        """Whether the trainer and the engine hold one copy of the base weights (bf16 or 4-bit): the adapter
-        served, so that training never changes them."""
-        return self.serves_adapter
 
     @property
     def engine_max_model_len(self) -> int:

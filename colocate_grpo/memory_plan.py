@@ -168,7 +168,7 @@ class MemoryPlan:
 
     Attributes:
         trainer_weights: the trainer's model (base weights and adapters; the adapters alone where the
-            base weights are the engine's, ``Config.shares_base_weights``).
+            base weights are the engine's, ``Config.serves_adapter``).
         trainer_states: gradients and AdamW moments of the trainable parameters.
         engine_weights: the engine's copy of the weights (merged into it at every sync).
         kv_cache: the engine's KV cache, sized to the generation batch at full length.
@@ -230,7 +230,7 @@ def plan_memory(
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
         # A shared base is the engine's copy: the trainer adds only its adapter.
-        trainer_weights = adapter if config.shares_base_weights else weights + adapter
+        trainer_weights = adapter if config.serves_adapter else weights + adapter
         states = _TRAINING_COPIES * adapter
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
@@ -284,7 +284,7 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
     ]
     if config.adapter is None:
         fixes.insert(0, "'adapter: lora' instead of full fine-tuning (no gradients or optimizer states for the base)")
-    elif not config.shares_base_weights and not (config.load_in_4bit or config.load_in_8bit):
+    elif not config.serves_adapter:
         fixes[:0] = [
             f"'trl.vllm_lora_sync: true' (vLLM serves the adapter, and the trainer and the engine share one copy of "
             f"the base weights: {_gib(plan.engine_weights)} GiB less)",

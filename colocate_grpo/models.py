@@ -168,7 +168,7 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
 def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
     """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``.
 
-    A base the engine will share (``config.shares_base_weights``) is left in host memory; the
+    A base the engine will share (``config.serves_adapter``) is left in host memory; the
     trainer moves the model once its base weights are the engine's. A 4-bit base is not loaded at
     all: its layers hold nothing until they become views of the engine's NF4 weights
     (:mod:`colocate_grpo.quantized`).
@@ -182,7 +182,7 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
         # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
-        if not config.shares_base_weights:
+        if not config.serves_adapter:
             model.to(device)
     if config.adapter != "lora":
         return model
@@ -209,9 +209,8 @@ def merge_aware_mode(config: Config, dtype: torch.dtype) -> str | None:
     """``lora_merge_aware`` with ``auto`` resolved: the training dtype's name where merge-aware LoRA applies."""
     if config.lora_merge_aware != "auto":
         return config.lora_merge_aware
-    if config.adapter != "lora" or config.peft_use_dora or config.load_in_4bit or config.load_in_8bit:
-        return None
-    if config.serves_adapter:  # the engine applies the adapter itself: there is no merge to match
+    # A served adapter (a 4-bit base included) is applied by the engine itself: there is no merge to match.
+    if config.adapter != "lora" or config.peft_use_dora or config.load_in_8bit or config.serves_adapter:
         return None
     return "fp16" if dtype == torch.float16 else "bf16"
 
