@@ -332,11 +332,12 @@ class ColocateGRPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
     def _reduce_over_ranks(self, metrics: dict[str, list[float]]) -> None:
-        """Make the logged memory the largest of any rank's, and the served-equals-trained checks the worst.
+        """Make the logged memory the largest of any rank's, and the served-equals-trained checks (weights, adapter,
+        4-bit codes) the worst.
 
         TRL logs its other metrics gathered over the ranks already; these are each rank's own.
         """
-        reductions = {"memory/": max, "served_equals_trained": min}
+        reductions = {"memory/": max, "served_equals_trained": min, "served_codes_equal_trained": min}
         local = {
             key: sum(values) / len(values)
             for key, values in metrics.items()
