@@ -131,7 +131,7 @@ class AdapterWrites:
             self._write(factors)
         reads = [t for f in factors for t in f[:2]]
         # Only a completed capture is ever replayed.
-        self.capture = _Capture(graph, self._factors_key(), reads, list(map(torch.Tensor.data_ptr, reads)))
+        self.capture = _Capture(graph, _key(factors), reads, list(map(torch.Tensor.data_ptr, reads)))
 
     def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         factors = [lora_factors(view.layer) for view in self.views]
@@ -141,8 +141,7 @@ class AdapterWrites:
 
     def _factors_key(self) -> tuple:
         """Which factors each layer uses now, at which addresses, with which scaling."""
-        factors = [lora_factors(view.layer) for view in self.views]
-        return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)
+        return _key([lora_factors(view.layer) for view in self.views])
 
     def _write(self, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         torch._foreach_copy_([v.a for v in self.views], [f[0] for f in factors])
@@ -191,3 +190,8 @@ def served_adapter_mismatches(model: torch.nn.Module, engine: Engine) -> list[st
         if not (torch.equal(view.a, a.to(view.a.device)) and torch.equal(view.b, b.to(view.b.device))):
             mismatches.append(name)
     return mismatches
+
+
+def _key(factors: list) -> tuple:
+    """Each layer's factors (A, B, scaling, or None) by address and scaling: what a captured write depends on."""
+    return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)
