@@ -29,6 +29,7 @@ completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -554,16 +555,27 @@ def main() -> None:
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
             command += ["--micro-batch", str(args.micro_batch)]
-            run = subprocess.run(command, capture_output=True, text=True)
-            if run.returncode != 0 or not out.exists():
-                print(f"{shape} {kind}: failed (exit {run.returncode})\n{run.stderr[-3000:]}", file=sys.stderr)
-                results.append({"shape": shape, "kind": kind, "failed": run.stderr[-3000:]})
+            returncode, tail = run_child(command)
+            if returncode != 0 or not out.exists():
+                print(f"{shape} {kind}: failed (exit {returncode})\n{tail}", file=sys.stderr)
+                results.append({"shape": shape, "kind": kind, "failed": tail})
             else:
                 results.append({"shape": shape, **json.loads(out.read_text())})
                 print(table(results[-1:]).splitlines()[2], flush=True)
             Path(args.out).write_text(json.dumps(results, indent=1))  # after each run: a later one may not finish
 
     print(table(results))
+
+
+def run_child(command: list[str]) -> tuple[int, str]:
+    """Run one measured process with its output passed on to stderr as it comes (a run stopped by a time
+    limit still shows how far it got); returns its exit code and the last 3,000 characters of its output."""
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        for line in child.stdout:
+            sys.stderr.write(line)
+            tail.append(line)
+    return child.returncode, "".join(tail)[-3000:]
 
 
 RATIO_KEYS = [
