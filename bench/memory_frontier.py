@@ -4,12 +4,18 @@ For each shape (random-weight Qwen2.5 models) and each ``user*`` kind of ``sync_
 plain config a user writes, plus the one key that picks how the policy is served), the run is tried
 on simulated cards of increasing size (all but N GiB of the device taken by one allocation before
 the run), smallest first; the first card it runs on ends the search, as every larger card runs it
-too. A refusal before the model loads (the memory plan) counts as not running, with its reason.
-Each attempt is one ``sync_vs_trl.py`` process of a few steps. Stock TRL's row (``--stock``) runs
-at the same settings, where it runs.
+too. A card the run's memory plan refuses (as ``colocate_grpo`` would, before the model loads)
+counts as not running, with the plan's numbers, and starts no process. Each attempt is one
+``sync_vs_trl.py`` process of a few steps. Stock TRL's row (``--stock``) runs at the same
+settings, where it runs; the plan does not cover it, so each of its cards is tried.
+
+``--plan-only`` prints the plan's side of the table without a GPU: the smallest card each plan
+fits. ``--resume`` keeps the rows ``--out`` already holds and searches only what they leave open,
+so the table can be completed over several calls.
 
     python bench/memory_frontier.py --shapes 1.5B 7B --cards 16 24 40 80 --out memory_frontier.json
     python bench/memory_frontier.py --shapes 7B --kinds user-adapter user-4bit --cards 12 16 24 --micro-batch 8
+    python bench/memory_frontier.py --plan-only --micro-batch 8
 """
 
 from __future__ import annotations
@@ -18,9 +24,14 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sync_vs_trl import USER_SERVING
+from sync_vs_trl import PROMPT_TOKENS, USER_SERVING, shape_config, user_config
+
+if TYPE_CHECKING:
+    from colocate_grpo.memory_plan import MemoryPlan
 
 HERE = Path(__file__).parent
 
@@ -45,31 +56,85 @@ def attempt(shape: str, kind: str, card_gib: float, steps: int, models: str, mic
         **row,
         "runs": True,
         "step_s": result["step_s"],
-        # On a simulated card the device's used memory includes the allocation that simulates it.
-        "peak_device_gib": max(result["peak_device_gib"].values()),
+        "card_used_gib": result["card_used_gib"],
         "logp_diff": result["logp_diff"],
     }
+
+
+def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: int) -> MemoryPlan:
+    """``colocate_grpo``'s memory plan for ``kind`` at ``shape`` on a card with ``card_gib`` GiB free.
+
+    Reads the shape's config alone (written beside the models, not in a model's folder): no weights,
+    no GPU."""
+    import torch
+
+    from colocate_grpo.config import load_config
+    from colocate_grpo.memory_plan import model_shape, plan_memory
+
+    directory = Path(models) / f"{shape}-config-only"
+    if not (directory / "config.json").exists():
+        shape_config(shape).save_pretrained(directory)
+    with tempfile.TemporaryDirectory() as scratch:
+        raw = user_config(str(directory), ["t2"], 1, False, Path(scratch), kind=kind, micro_batch=micro_batch)
+        config = load_config(raw)
+    card = int(card_gib * 2**30)
+    shape_of_model = model_shape(str(directory), torch.bfloat16)
+    # The benchmark's prompts are PROMPT_TOKENS words of the word-level tokenizer: that many tokens each.
+    return plan_memory(config, shape_of_model, torch.bfloat16, free=card, total=card, longest_prompt=PROMPT_TOKENS)
+
+
+def searched(rows: list[dict], shape: str, kind: str, cards: list[float]) -> bool:
+    """Whether ``rows`` settle ``kind`` at ``shape``: it ran on one of ``cards``, or every card was tried."""
+    tried = [r for r in rows if r["shape"] == shape and r["kind"] == kind]
+    return any(r["runs"] for r in tried) or {r["card_gib"] for r in tried} >= set(cards)
+
+
+def print_plan_table(args: argparse.Namespace) -> None:
+    print(f"Memory plan, micro-batch {args.micro_batch}: the smallest card (GiB free) each run's plan fits")
+    print()
+    print("| shape | kind | smallest card the plan fits (GiB) | generation peak there (GiB) |")
+    print("|---|---|---|---|")
+    for shape in args.shapes:
+        for kind in args.kinds:
+            fits = [(card, planned(shape, kind, card, args.models, args.micro_batch)) for card in sorted(args.cards)]
+            fits = [(card, plan) for card, plan in fits if plan.fits]
+            card, peak = (f"{fits[0][0]:g}", f"{fits[0][1].generation_peak / 2**30:.1f}") if fits else ("none", "")
+            print(f"| {shape} | {kind} | {card} | {peak} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "3B", "7B", "14B"])
     parser.add_argument("--kinds", nargs="+", default=[k for k in USER_SERVING if k != "user-fp32-head"])
-    parser.add_argument("--cards", nargs="+", type=float, default=[16, 24, 40, 80])
+    parser.add_argument("--cards", nargs="+", type=float, default=[12, 16, 24, 40, 80])
     parser.add_argument("--stock", action="store_true", help="also stock TRL at the same settings")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--micro-batch", type=int, default=64, help="sequences per trainer forward (8 fits a 7B shape's on 24 GiB)"
     )
+    parser.add_argument("--plan-only", action="store_true", help="the memory plan's table alone (no GPU)")
+    parser.add_argument("--resume", action="store_true", help="keep the rows --out holds; search the rest")
     parser.add_argument("--out", default="memory_frontier.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
     args = parser.parse_args()
 
-    rows = []
+    if args.plan_only:
+        print_plan_table(args)
+        return
+    rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
     for shape in args.shapes:
         for kind in [*args.kinds, *(["stock"] if args.stock else [])]:
+            if searched(rows, shape, kind, args.cards):
+                continue
             for card in sorted(args.cards):
-                row = attempt(shape, kind, card, args.steps, args.models, args.micro_batch)
+                if any(r["shape"] == shape and r["kind"] == kind and r["card_gib"] == card for r in rows):
+                    continue
+                plan = None if kind == "stock" else planned(shape, kind, card, args.models, args.micro_batch)
+                if plan is None or plan.fits:
+                    row = attempt(shape, kind, card, args.steps, args.models, args.micro_batch)
+                else:
+                    reason = f"refused by the memory plan: {plan.summary()}"
+                    row = {"shape": shape, "kind": kind, "card_gib": card, "runs": False, "reason": reason}
                 rows.append(row)
                 Path(args.out).write_text(json.dumps(rows, indent=1))
                 shown = f"step {row['step_s']:.2f} s" if row["runs"] else f"does not run: {row['reason'][:160]}"
@@ -77,13 +142,16 @@ def main() -> None:
                 if row["runs"]:
                     break
     print()
-    print("| shape | kind | smallest card that runs it (GiB) | step s there |")
-    print("|---|---|---|---|")
+    print("| shape | kind | smallest card that runs it (GiB) | peak used of it (GiB) | step s there |")
+    print("|---|---|---|---|---|")
     for shape in args.shapes:
         for kind in dict.fromkeys(r["kind"] for r in rows if r["shape"] == shape):
             ran = [r for r in rows if r["shape"] == shape and r["kind"] == kind and r["runs"]]
-            card, step = (f"{ran[0]['card_gib']:g}", f"{ran[0]['step_s']:.2f}") if ran else ("none tried", "")
-            print(f"| {shape} | {kind} | {card} | {step} |")
+            if ran:
+                row = ran[0]
+                print(f"| {shape} | {kind} | {row['card_gib']:g} | {row['card_used_gib']:.1f} | {row['step_s']:.2f} |")
+            else:
+                print(f"| {shape} | {kind} | none of {', '.join(f'{c:g}' for c in sorted(args.cards))} | | |")
 
 
 if __name__ == "__main__":

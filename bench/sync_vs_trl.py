@@ -43,6 +43,7 @@ from shapes import QWEN25
 
 if TYPE_CHECKING:
     import torch
+    from transformers import Qwen2Config
 
 SHAPES = QWEN25
 PROMPT_TOKENS = 32
@@ -62,6 +63,20 @@ def random_prompts(vocab: int, count: int) -> list[str]:
     return [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(count)]
 
 
+def shape_config(shape: str) -> Qwen2Config:
+    """The Hugging Face config of the random-weight Qwen2 of ``shape`` (an untied head)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **SHAPES[shape],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+
+
 def build_model(shape: str, directory: Path) -> str:
     """A random-weight bf16 Qwen2 of ``shape`` with a word-level tokenizer covering its vocabulary."""
     if shape == "tiny":
@@ -72,16 +87,14 @@ def build_model(shape: str, directory: Path) -> str:
         return str(directory)
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     dims = SHAPES[shape]
     vocab = {f"t{i}": i for i in range(dims["vocab_size"])}
     word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="t0", pad_token="t0", unk_token="t1")
-    config = Qwen2Config(
-        **dims, max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, pad_token_id=0
-    )
+    config = shape_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -492,6 +505,10 @@ def run_one(
 
     overhead = [s.get("overhead_s", 0.0) / s["step_s"] for s in measured]
     parts = sorted({k for s in measured for k in s if "." in k})
+    peaks = {
+        phase: max(s.get(f"{phase}_device_gib", 0.0) for s in step_log)
+        for phase in ("sync", "wake", "generate", "sleep", "train")
+    }
     return {
         "parts_s": {k: median(k) for k in parts},
         "pool": pool_layout() if cuda else {},
@@ -506,10 +523,9 @@ def run_one(
         "repeat_adapter_push_s": statistics.median(repeat_adapter_push_s) if repeat_adapter_push_s else float("nan"),
         "copy_floor_s": floor_s,
         "overhead_share": statistics.median(overhead),
-        "peak_device_gib": {
-            phase: max(s.get(f"{phase}_device_gib", 0.0) for s in step_log)
-            for phase in ("sync", "wake", "generate", "sleep", "train")
-        },
+        "peak_device_gib": peaks,
+        # Of a simulated card: the device's used memory counts the allocation that simulates it.
+        "card_used_gib": max(peaks.values()) - (device_total / 2**30 - card_gib) if card_gib else None,
         "trainer_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "logp_diff": statistics.mean(s["logp_diff"] for s in step_log if "logp_diff" in s),
         "base_drift_max": max(float(d.max()) for d in drift),

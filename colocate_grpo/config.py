@@ -38,10 +38,11 @@ class VLLMConfig:
     kv_cache: Literal["batch", "memory_fraction"] = field(
         default="batch",
         metadata={
-            "help": "KV cache size. batch: room for the generation batch at full length (max_num_seqs x "
-            "max_model_len tokens), within gpu_memory_utilization (cpu_kv_cache_gib on CPU); the rest stays "
-            "with training, and sleep and wake move less memory. memory_fraction: all that "
-            "gpu_memory_utilization leaves after the weights (TRL's sizing)."
+            "help": "KV cache size. batch: room for the generation batch at full length (max_num_seqs "
+            "sequences of the dataset's longest prompt + max_completion_length tokens), within "
+            "gpu_memory_utilization (cpu_kv_cache_gib on CPU); the rest stays with training, and sleep and "
+            "wake move less memory. memory_fraction: all that gpu_memory_utilization leaves after the "
+            "weights (TRL's sizing)."
         },
     )
     max_model_len: int | None = field(
@@ -203,6 +204,13 @@ class Config:
     def engine_max_model_len(self) -> int:
         """The engine's token budget per sequence: vllm.max_model_len, else prompt + completion."""
         return self.vllm.max_model_len or self.max_prompt_length + self.max_completion_length
+
+    def sequence_tokens(self, longest_prompt: int | None = None) -> int:
+        """Tokens one generated sequence takes at most: the dataset's ``longest_prompt`` (None:
+        max_prompt_length) plus the completion, within the engine's max_model_len. The KV cache and
+        the training activations are sized by it."""
+        prompt = self.max_prompt_length if longest_prompt is None else min(longest_prompt, self.max_prompt_length)
+        return min(self.engine_max_model_len, prompt + self.max_completion_length)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

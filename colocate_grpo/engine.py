@@ -94,7 +94,7 @@ class Engine:
         options: the ``vllm:`` block of the config.
         dtype: torch dtype name used when ``options.dtype`` is ``auto`` (the training dtype).
         max_num_seqs: largest number of sequences generated at once; with ``kv_cache: batch`` the KV
-            cache holds that many at ``max_model_len`` tokens.
+            cache holds that many of ``sequence_tokens`` tokens.
         seed: sampling seed; the caller's global RNG states are preserved across engine creation.
         quantization: ``"bitsandbytes"`` quantizes the checkpoint to NF4 as it loads (a 4-bit base). Its
             weights are then pinned (:meth:`pin_weights`): vLLM keeps their quantization states outside
@@ -103,6 +103,9 @@ class Engine:
             vLLM supports, see ``VLLM_LORA_RANKS``); None serves the weights alone.
         fp32_head: compute the logits in fp32 from the head's weights (``head_dtype: float32``), as the
             trainer does with TRL's ``cast_lm_head_to_fp32``.
+        sequence_tokens: the tokens a sequence of the batch takes at most (longest prompt + completion),
+            for the KV cache's size; None (or more than ``max_model_len``): ``max_model_len``. A later
+            batch of longer sequences still runs, vLLM queueing what does not fit.
 
     Only one engine lives in a process: creating a second closes the first (vLLM
     allows one sleep-enabled engine per process). In a process that torchrun or ``accelerate
@@ -121,6 +124,7 @@ class Engine:
         trust_remote_code: bool = False,
         max_lora_rank: int | None = None,
         fp32_head: bool = False,
+        sequence_tokens: int | None = None,
     ) -> None:
         global _live_engine
         previous = live_engine()
@@ -134,6 +138,7 @@ class Engine:
         self.max_lora_rank = max_lora_rank
         self.quantization = quantization
         self.fp32_head = fp32_head
+        self.sequence_tokens = sequence_tokens
         self.adapter_request: Any = None  # vLLM's LoRARequest once an adapter is loaded (load_adapter)
         self._adapter_directory: tempfile.TemporaryDirectory | None = None
         self.cpu = on_cpu()
@@ -206,10 +211,10 @@ class Engine:
         """vLLM's ``gpu_memory_utilization`` and KV cache bytes (None: vLLM sizes the cache from the fraction)."""
         fraction = self.options.gpu_memory_utilization
         needed = None
-        if self.options.kv_cache == "batch" and max_num_seqs and self.options.max_model_len:
-            needed = batch_kv_cache_bytes(
-                self.model_path, max_num_seqs, self.options.max_model_len, self.dtype, trust_remote_code
-            )
+        max_model_len = self.options.max_model_len
+        tokens = min(max_model_len, self.sequence_tokens or max_model_len) if max_model_len else None
+        if self.options.kv_cache == "batch" and max_num_seqs and tokens:
+            needed = batch_kv_cache_bytes(self.model_path, max_num_seqs, tokens, self.dtype, trust_remote_code)
         if self.cpu:
             # vLLM on CPU sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes negative
             # once a long-lived process (a notebook, a test session) has loaded models; given a size, it ignores
@@ -244,7 +249,7 @@ class Engine:
             "KV cache: %.2f GiB, room for %d sequences of %d tokens (vllm.kv_cache: batch).",
             needed / 2**30,
             max_num_seqs,
-            self.options.max_model_len,
+            tokens,
         )
         return fraction, needed
 

@@ -218,12 +218,14 @@ def plan_memory(
     dtype: torch.dtype,
     free: int,
     total: int,
+    longest_prompt: int | None = None,
 ) -> MemoryPlan:
     """The run's memory plan on a device with ``free`` of ``total`` bytes.
 
     Args:
         shape: the model's shape (:func:`model_shape`).
         dtype: the training dtype; the engine serves the same.
+        longest_prompt: the dataset's longest prompt in tokens; None plans for max_prompt_length.
     """
     weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
     if config.adapter == "lora":
@@ -235,7 +237,7 @@ def plan_memory(
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
-    kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, config.engine_max_model_len)
+    kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, config.sequence_tokens(longest_prompt))
     runtime = engine_bytes(0, 0, cuda_graphs=not config.vllm.enforce_eager)
     return MemoryPlan(
         trainer_weights=trainer_weights,
@@ -243,7 +245,7 @@ def plan_memory(
         engine_weights=weights,
         kv_cache=kv,
         engine_runtime=runtime,
-        activations=training_activation_bytes(config, shape, dtype),
+        activations=training_activation_bytes(config, shape, dtype, longest_prompt),
         free=free,
         total=total,
     )
@@ -256,14 +258,16 @@ def _adapted(config: Config, name: str) -> bool:
     return any(leaf == target or fnmatch.fnmatch(name, target) for target in config.lora_target_modules)
 
 
-def training_activation_bytes(config: Config, shape: ModelShape, dtype: torch.dtype) -> int:
+def training_activation_bytes(
+    config: Config, shape: ModelShape, dtype: torch.dtype, longest_prompt: int | None = None
+) -> int:
     """A rough estimate of one micro-batch's activations in the trainer's forward and backward.
 
     Per token and layer, a decoder layer keeps about 12 hidden-sized and 3 intermediate-sized
     tensors for its backward (gradient checkpointing: one hidden-sized tensor, plus one layer's
     worth recomputed). The completion's logits add their fp32 log-softmax.
     """
-    tokens = config.micro_batch_size * config.engine_max_model_len
+    tokens = config.micro_batch_size * config.sequence_tokens(longest_prompt)
     per_layer = (12 * shape.hidden_size + 3 * shape.intermediate_size) * dtype.itemsize
     if config.gradient_checkpointing:
         layers = tokens * (shape.layers * shape.hidden_size * dtype.itemsize + per_layer)
@@ -278,8 +282,7 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
     fixes = [
         f"a smaller generation batch (micro_batch_size x gradient_accumulation_steps, now "
         f"{config.micro_batch_size} x {config.gradient_accumulation_steps}; the KV cache scales with it)",
-        f"a shorter trl.max_completion_length or max_prompt_length (now {config.max_completion_length} and "
-        f"{config.max_prompt_length} tokens)",
+        f"a shorter trl.max_completion_length (now {config.max_completion_length} tokens) or shorter prompts",
         "a smaller base_model",
     ]
     if config.adapter is None:

@@ -249,8 +249,9 @@ def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int 
             )
 
 
-def check_prompt_lengths(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> None:
-    """Refuse prompts longer than ``max_prompt_length`` tokens before anything loads.
+def check_prompt_lengths(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> int:
+    """Refuse prompts longer than ``max_prompt_length`` tokens before anything loads; returns the longest
+    prompt's length in tokens (0 for no prompts), which sizes the KV cache.
 
     The engine's ``max_model_len`` is prompt + completion, so vLLM would reject a longer prompt in
     the middle of the run; cutting it would silently change the question. Chat prompts are counted
@@ -269,3 +270,4 @@ def check_prompt_lengths(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, m
             f"tokens); the longest has {max(too_long)}. Raise max_prompt_length to {max(too_long)} (the engine's "
             "max_model_len grows with it), or leave the long prompts out of the dataset."
         )
+    return max(lengths, default=0)

@@ -152,12 +152,12 @@ def build_trainer(
     path = models.model_path(config)
     tokenizer = models.load_tokenizer(path)
     dataset = models.build_dataset(config, tokenizer)
-    models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
+    longest_prompt = models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
     models.check_rewards_match_dataset(rewards, dataset)
     models.check_rewards_run(rewards, dataset)
     dtype = models.training_dtype(device)
     args = grpo_args(config, device, dtype)
-    plan = plan_device_memory(config, path, device, dtype)
+    plan = plan_device_memory(config, path, device, dtype, longest_prompt)
     with device_memory_errors("load the model and start the engine", plan, config):
         model = models.load_model(config, path, device)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
@@ -173,6 +173,7 @@ def build_trainer(
             vllm_options=config.vllm,
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
             serve_adapter=config.serves_adapter,
+            sequence_tokens=config.sequence_tokens(longest_prompt),
         )
     metrics.context["served_as"] = trainer.served_as
     if is_main_process():
@@ -192,8 +193,12 @@ def build_trainer(
     return trainer
 
 
-def plan_device_memory(config: Config, path: str, device: str, dtype: Any) -> MemoryPlan | None:
+def plan_device_memory(
+    config: Config, path: str, device: str, dtype: Any, longest_prompt: int | None = None
+) -> MemoryPlan | None:
     """The run's memory plan on the GPU, printed in one line; None on CPU or for a model it cannot read.
+
+    ``longest_prompt`` is the dataset's longest prompt in tokens (None: max_prompt_length).
 
     Raises:
         MemoryPlanError: when the weights, optimizer states, KV cache and engine alone exceed the free memory.
@@ -206,7 +211,7 @@ def plan_device_memory(config: Config, path: str, device: str, dtype: Any) -> Me
     if shape is None:
         return None
     free, total = torch.cuda.mem_get_info()
-    plan = plan_memory(config, shape, dtype, free, total)
+    plan = plan_memory(config, shape, dtype, free, total, longest_prompt)
     if not plan.fits:
         raise MemoryPlanError(refusal(plan, config))
     if is_main_process():

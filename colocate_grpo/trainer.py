@@ -215,6 +215,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
             trainer's LoRA factors bitwise.
         serve_adapter: serve the LoRA adapter with vLLM's LoRA kernels (:mod:`colocate_grpo.adapters`)
             instead of merged weights. Needs a PEFT LoRA model without merge-aware layers.
+        sequence_tokens: the tokens a generated sequence takes at most (the dataset's longest prompt plus
+            ``max_completion_length``), which sizes the KV cache; None sizes it for ``max_model_len``.
 
     ``args.cast_lm_head_to_fp32`` computes the logits in fp32 on both sides: the engine with vLLM's
     fp32 head, the trainer with TRL's fused head in fp32. Both read the head's weights in the
@@ -232,6 +234,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
         engine: Engine | None = None,
         merge_check_interval: int = 50,
         serve_adapter: bool = False,
+        sequence_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         options = vllm_options or VLLMConfig()
@@ -270,6 +273,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 trust_remote_code=args.trust_remote_code,
                 max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
                 fp32_head=fp32_head,
+                sequence_tokens=sequence_tokens,
                 # vLLM quantizes the checkpoint; the trainer's 4-bit layers become views of its codes (quantized.py).
                 quantization="bitsandbytes" if getattr(model, "is_loaded_in_4bit", False) else None,
             )

@@ -157,15 +157,23 @@ def test_completions_are_not_detokenized_unless_stop_strings_need_it(tmp_path, s
 
 
 def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
-    """kv_cache: batch, the default: vLLM never preempts a sequence, and the rest of the memory stays with training."""
-    engine = build_trainer(tiny_config(tmp_path)).engine
-    vllm_config = engine.llm_engine.vllm_config
+    """kv_cache: batch, the default: vLLM never preempts a sequence, and the rest of the memory stays with training.
+
+    A sequence is the dataset's longest prompt and a whole completion; the engine still takes prompts up to
+    max_prompt_length."""
+    config = tiny_config(tmp_path)
+    trainer = build_trainer(config)
+    vllm_config = trainer.engine.llm_engine.vllm_config
     max_num_seqs, max_model_len = vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len
     assert max_model_len == 16 + 4  # max_prompt_length + max_completion_length: vllm.max_model_len is unset
+    tokenizer = trainer.processing_class
+    longest = max(len(tokenizer(p)["input_ids"]) for p in trainer.train_dataset["prompt"])
+    assert longest < 16
+    sequence = longest + 4
     capacity = vllm_config.cache_config.num_gpu_blocks * vllm_config.cache_config.block_size
     # Each sequence's last block is partly empty: the plan rounds every sequence up to whole blocks.
-    planned = kv_cache_bytes(1, max_num_seqs, max_model_len)
-    assert max_num_seqs * max_model_len <= capacity <= planned + vllm_config.cache_config.block_size
+    planned = kv_cache_bytes(1, max_num_seqs, sequence)
+    assert max_num_seqs * sequence <= capacity <= planned + vllm_config.cache_config.block_size
 
 
 @pytest.mark.slow

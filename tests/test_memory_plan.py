@@ -45,6 +45,16 @@ def test_the_plan_adds_up_the_known_parts():
     assert plan.fits and "GiB while generating" in plan.summary()
 
 
+def test_the_kv_cache_and_activations_are_sized_by_the_longest_prompt():
+    config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 256}})
+    short = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, longest_prompt=32)
+    assert short.kv_cache == kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 32 + 256)
+    full = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    assert short.activations < full.activations
+    # Never past the engine's budget: a prompt longer than max_prompt_length is refused before the plan.
+    assert config.sequence_tokens(10_000) == config.sequence_tokens() == 512 + 256
+
+
 def test_full_fine_tuning_counts_gradients_and_optimizer_states_of_every_weight():
     plan = plan_memory(load_config({"adapter": None}), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
     assert plan.trainer_states == 3 * plan.trainer_weights
