@@ -178,8 +178,9 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     """Time the Python of colocate_grpo's sync: the push (launches only: the graph replays
     asynchronously), the check of the graph's addresses before a replay, its key (read during the
     replay) and the key's reads of the LoRA layers, the prefix-cache reset,
-    and the phase clock's reads and waits (a wait there is where the device finishes the push)."""
-    from colocate_grpo import sync, trainer
+    and the phase clock's reads and waits (a wait there is where the device finishes the push). With the
+    adapter served: its push's wall time, the addresses' check and the key, read while the device writes."""
+    from colocate_grpo import adapters, sync, trainer
     from colocate_grpo.engine import Engine
     from colocate_grpo.metrics import PhaseClock
 
@@ -190,6 +191,10 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     Engine.reset_prefix_cache = _timed_part(phases, totals, "prefix_reset", Engine.reset_prefix_cache)
     PhaseClock._allocator_stats = _timed_part(phases, totals, "clock_stats", PhaseClock._allocator_stats)
     PhaseClock._synchronize = _timed_part(phases, totals, "clock_wait", PhaseClock._synchronize)
+    trainer.push_adapter = _timed_part(phases, totals, "adapter_push", trainer.push_adapter)
+    writes, capture = adapters.AdapterWrites, adapters._Capture
+    capture.reads_same_memory = _timed_part(phases, totals, "adapter_addresses", capture.reads_same_memory)
+    writes._factors_key = _timed_part(phases, totals, "adapter_key", writes._factors_key)
 
 
 def time_push_on_device(pushes: list, function: str = "push_weights") -> None:
