@@ -214,7 +214,9 @@ class Engine:
         max_model_len = self.options.max_model_len
         tokens = min(max_model_len, self.sequence_tokens or max_model_len) if max_model_len else None
         if self.options.kv_cache == "batch" and max_num_seqs and tokens:
-            needed = batch_kv_cache_bytes(self.model_path, max_num_seqs, tokens, self.dtype, trust_remote_code)
+            needed = batch_kv_cache_bytes(
+                self.model_path, max_num_seqs, tokens, self.dtype, trust_remote_code, max_model_len
+            )
         if self.cpu:
             # vLLM on CPU sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes negative
             # once a long-lived process (a notebook, a test session) has loaded models; given a size, it ignores

@@ -108,16 +108,26 @@ def _kv_bytes_per_token(text_config: object, itemsize: int) -> int | None:
     return 2 * layers * kv_heads * head_dim * itemsize
 
 
-def kv_cache_bytes(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once."""
-    tokens_per_sequence = (-(-max_model_len // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
-    return kv_bytes_per_token * tokens_per_sequence * max_num_seqs
+def kv_cache_bytes(kv_bytes_per_token: int, max_num_seqs: int, sequence_tokens: int, max_model_len: int = 0) -> int:
+    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``sequence_tokens`` tokens at once, and never
+    less than one sequence of ``max_model_len`` tokens (vLLM does not start with less)."""
+
+    def whole_blocks(tokens: int) -> int:  # and a block to spare: a sequence's last block is partly empty
+        return (-(-tokens // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
+
+    return kv_bytes_per_token * max(whole_blocks(sequence_tokens) * max_num_seqs, whole_blocks(max_model_len))
 
 
 def batch_kv_cache_bytes(
-    model_path: str, max_num_seqs: int, max_model_len: int, dtype: str, trust_remote_code: bool = False
+    model_path: str,
+    max_num_seqs: int,
+    sequence_tokens: int,
+    dtype: str,
+    trust_remote_code: bool = False,
+    max_model_len: int = 0,
 ) -> int | None:
-    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once.
+    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``sequence_tokens`` tokens at once (at least
+    one of ``max_model_len``).
 
     Counts keys and values of every layer at full attention (an upper bound for sliding-window or
     hybrid models). None when transformers cannot read the model's config or it does not give
@@ -130,7 +140,7 @@ def batch_kv_cache_bytes(
     except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: it sizes the cache itself
         return None
     per_token = _kv_bytes_per_token(config, getattr(torch, dtype).itemsize)
-    return None if per_token is None else kv_cache_bytes(per_token, max_num_seqs, max_model_len)
+    return None if per_token is None else kv_cache_bytes(per_token, max_num_seqs, sequence_tokens, max_model_len)
 
 
 def checkpoint_bytes(model_path: str) -> int | None:
@@ -237,7 +247,8 @@ def plan_memory(
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
-    kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, config.sequence_tokens(longest_prompt))
+    tokens = config.sequence_tokens(longest_prompt)
+    kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, tokens, config.engine_max_model_len)
     runtime = engine_bytes(0, 0, cuda_graphs=not config.vllm.enforce_eager)
     return MemoryPlan(
         trainer_weights=trainer_weights,

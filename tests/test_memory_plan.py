@@ -55,6 +55,18 @@ def test_the_kv_cache_and_activations_are_sized_by_the_longest_prompt():
     assert config.sequence_tokens(10_000) == config.sequence_tokens() == 512 + 256
 
 
+def test_the_kv_cache_holds_one_sequence_of_max_model_len_however_short_the_prompts():
+    # vLLM does not start with less: 64 sequences (the least the engine takes) of 32 + 256 tokens are fewer
+    # than one of 32768.
+    config = load_config({"vllm": {"max_model_len": 32768}, "micro_batch_size": 8, "gradient_accumulation_steps": 1})
+    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, longest_prompt=32)
+    assert (
+        plan.kv_cache
+        == kv_cache_bytes(SHAPE.kv_bytes_per_token, 1, 32768)
+        > kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 32 + 256)
+    )
+
+
 def test_full_fine_tuning_counts_gradients_and_optimizer_states_of_every_weight():
     plan = plan_memory(load_config({"adapter": None}), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
     assert plan.trainer_states == 3 * plan.trainer_weights
