@@ -131,6 +131,48 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run reads before any model loads, each part checked (:func:`check_inputs`).
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"``; dtype: the training dtype (a ``torch.dtype``).
+        rewards: the reward functions; path: the base model's directory; tokenizer, dataset: TRL's.
+        longest_prompt: the dataset's longest prompt in tokens, as TRL sends it (sizes the KV cache).
+        plan: the memory plan on a GPU, else None.
+    """
+
+    device: str
+    dtype: Any
+    rewards: list
+    path: str
+    tokenizer: Any
+    dataset: Any
+    longest_prompt: int
+    plan: MemoryPlan | None
+
+
+def check_inputs(config: Config) -> RunInputs:
+    """Resolve and check everything a run reads before its model loads, and plan its memory (printed on a GPU).
+
+    Raises:
+        ConfigError: on bad input; its MemoryPlanError when the plan cannot fit the device.
+    """
+    from colocate_grpo import models
+
+    device = models.resolve_device(config)
+    rewards = models.resolve_rewards(config)
+    path = models.model_path(config)
+    tokenizer = models.load_tokenizer(path)
+    dataset = models.build_dataset(config, tokenizer)
+    longest_prompt = models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
+    models.check_rewards_match_dataset(rewards, dataset)
+    models.check_rewards_run(rewards, dataset)
+    dtype = models.training_dtype(device)
+    plan = plan_device_memory(config, path, device, dtype, longest_prompt)
+    return RunInputs(device, dtype, rewards, path, tokenizer, dataset, longest_prompt, plan)
+
+
 def build_trainer(
     config: Config | str | Path | dict | None = None, callbacks: list | None = None
 ) -> ColocateGRPOTrainer:
@@ -147,33 +189,25 @@ def build_trainer(
         config = load_config(default_config_path() if config is None else config)
     from colocate_grpo import models
 
-    device = models.resolve_device(config)
-    rewards = models.resolve_rewards(config)
-    path = models.model_path(config)
-    tokenizer = models.load_tokenizer(path)
-    dataset = models.build_dataset(config, tokenizer)
-    longest_prompt = models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
-    models.check_rewards_match_dataset(rewards, dataset)
-    models.check_rewards_run(rewards, dataset)
-    dtype = models.training_dtype(device)
+    inputs = check_inputs(config)
+    device, dtype, plan = inputs.device, inputs.dtype, inputs.plan
     args = grpo_args(config, device, dtype)
-    plan = plan_device_memory(config, path, device, dtype, longest_prompt)
     with device_memory_errors("load the model and start the engine", plan, config):
-        model = models.load_model(config, path, device)
+        model = models.load_model(config, inputs.path, device)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 
         metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
         trainer = ColocateGRPOTrainer(
             model=model,
-            reward_funcs=rewards,
+            reward_funcs=inputs.rewards,
             args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
+            train_dataset=inputs.dataset,
+            processing_class=inputs.tokenizer,
             callbacks=[metrics, *(callbacks or [])],
             vllm_options=config.vllm,
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
             serve_adapter=config.serves_adapter,
-            sequence_tokens=config.sequence_tokens(longest_prompt),
+            sequence_tokens=config.sequence_tokens(inputs.longest_prompt),
         )
     metrics.context["served_as"] = trainer.served_as
     if is_main_process():
@@ -286,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colocate_grpo.train", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", help=f"YAML config (default: the packaged {DEFAULT_CONFIG})")
     parser.add_argument(
-        "--check", action="store_true", help="validate the config (and, on a GPU, print its memory plan) and exit"
+        "--check",
+        action="store_true",
+        help="check the config, the dataset's prompts and the rewards (and, on a GPU, print the memory plan); exit",
     )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -294,10 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(options.config or default_config_path())
         if options.check:
-            from colocate_grpo import models
-
-            device = models.resolve_device(config)
-            plan_device_memory(config, models.model_path(config), device, models.training_dtype(device))
+            check_inputs(config)
             print(f"{options.config or DEFAULT_CONFIG}: OK")
             return 0
         result = train(config, plots=True)

@@ -165,6 +165,16 @@ def test_cli_check_accepts_a_good_config(tmp_path):
     assert "OK" in result.stdout
 
 
+def test_cli_check_reads_the_prompts_too(tmp_path):
+    config = load_config(default_config_path()).to_dict()
+    config.update({"output_dir": str(tmp_path / "out"), "max_prompt_length": 2})
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    result = run_cli("--check", str(tmp_path / "cfg.yaml"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "longer than 'max_prompt_length' (2 tokens)" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_readme_config_reference_is_current():
     readme = (REPO / "README.md").read_text()
     start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
