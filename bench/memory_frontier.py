@@ -21,6 +21,7 @@ so the table can be completed over several calls.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -31,7 +32,8 @@ from typing import TYPE_CHECKING
 from sync_vs_trl import PROMPT_TOKENS, USER_SERVING, shape_config, user_config
 
 if TYPE_CHECKING:
-    from colocate_grpo.memory_plan import MemoryPlan
+    from colocate_grpo.config import Config
+    from colocate_grpo.memory_plan import MemoryPlan, ModelShape
 
 HERE = Path(__file__).parent
 
@@ -61,15 +63,14 @@ def attempt(shape: str, kind: str, card_gib: float, steps: int, models: str, mic
     }
 
 
-def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: int) -> MemoryPlan:
-    """``colocate_grpo``'s memory plan for ``kind`` at ``shape`` on a card with ``card_gib`` GiB free.
-
-    Reads the shape's config alone (written beside the models, not in a model's folder): no weights,
-    no GPU."""
+@functools.cache
+def _plan_inputs(shape: str, kind: str, models: str, micro_batch: int) -> tuple[Config, ModelShape]:
+    """The config a user writes for ``kind`` and the model's shape, from the shape's config alone (written
+    beside the models, not in a model's folder): no weights, no GPU."""
     import torch
 
     from colocate_grpo.config import load_config
-    from colocate_grpo.memory_plan import model_shape, plan_memory
+    from colocate_grpo.memory_plan import model_shape
 
     directory = Path(models) / f"{shape}-config-only"
     if not (directory / "config.json").exists():
@@ -77,10 +78,19 @@ def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: in
     with tempfile.TemporaryDirectory() as scratch:
         raw = user_config(str(directory), ["t2"], 1, False, Path(scratch), kind=kind, micro_batch=micro_batch)
         config = load_config(raw)
+    return config, model_shape(str(directory), torch.bfloat16)
+
+
+def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: int) -> MemoryPlan:
+    """``colocate_grpo``'s memory plan for ``kind`` at ``shape`` on a card with ``card_gib`` GiB free."""
+    import torch
+
+    from colocate_grpo.memory_plan import plan_memory
+
+    config, model = _plan_inputs(shape, kind, models, micro_batch)
     card = int(card_gib * 2**30)
-    shape_of_model = model_shape(str(directory), torch.bfloat16)
     # The benchmark's prompts are PROMPT_TOKENS words of the word-level tokenizer: that many tokens each.
-    return plan_memory(config, shape_of_model, torch.bfloat16, free=card, total=card, longest_prompt=PROMPT_TOKENS)
+    return plan_memory(config, model, torch.bfloat16, free=card, total=card, longest_prompt=PROMPT_TOKENS)
 
 
 def searched(rows: list[dict], shape: str, kind: str, cards: list[float]) -> bool:
