@@ -22,7 +22,7 @@ import torch
 
 from colocate_grpo.config import ConfigError
 from colocate_grpo.engine import Engine
-from colocate_grpo.sync import hf_name
+from colocate_grpo.sync import frozen_base, hf_name
 
 
 def empty_4bit_model(path: str, dtype: torch.dtype, device: str) -> Any:
@@ -137,11 +137,7 @@ def share_4bit_base(model: torch.nn.Module, engine: Engine) -> int:
             bnb_quantized=True,
         )
         shared += codes.nbytes + state.absmax.nbytes
-    rest = {
-        hf_name(name): param
-        for name, param in model.named_parameters()
-        if not param.requires_grad and ".lora_" not in name and not isinstance(param, Params4bit)
-    }
+    rest = {name: param for name, param in frozen_base(model).items() if not isinstance(param, Params4bit)}
     views = engine.parameter_views({name: tuple(param.shape) for name, param in rest.items()})
     if views is None:
         raise ConfigError(

@@ -19,16 +19,7 @@ import torch
 
 from colocate_grpo.engine import Engine, Weights
 from colocate_grpo.quantized import share_4bit_base
-from colocate_grpo.sync import hf_name
-
-
-def frozen_base(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The model's frozen parameters outside its LoRA factors, by Hugging Face name (a tied head once)."""
-    return {
-        hf_name(name): param
-        for name, param in model.named_parameters()
-        if not param.requires_grad and ".lora_" not in name
-    }
+from colocate_grpo.sync import frozen_base
 
 
 @torch.no_grad()

@@ -26,6 +26,15 @@ def hf_name(peft_name: str) -> str:
     return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
+def frozen_base(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's frozen parameters outside its LoRA factors, by Hugging Face name (a tied head once)."""
+    return {
+        hf_name(name): param
+        for name, param in model.named_parameters()
+        if not param.requires_grad and ".lora_" not in name
+    }
+
+
 def _copy(target: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """``target.copy_(source)``; on CUDA by a kernel where it can, as replays of copy_ were slower (kernels.py)."""
     same_layout = source.dtype == target.dtype and source.is_contiguous() and target.is_contiguous()
