@@ -3,7 +3,8 @@
 Trainers: stock TRL (``stock``); ``user``, colocate_grpo as a user runs it: ``build_trainer`` with
 the plain config a user would write (model, dataset, reward, batch keys, nothing else: every other
 setting is a default; ``user-merged``, ``user-adapter`` and ``user-4bit`` add the one key that serves the
-policy another way, ``user-fp32-head`` the key that computes the logits in fp32: ``USER_SERVING``);
+policy another way, ``user-fp32-head`` the key that computes the logits in fp32: ``USER_SERVING``;
+``user-own`` is ``user`` on two copies of the base, the trainer's and the engine's, not one shared);
 colocate_grpo with the same ordinary PEFT LoRA (``ours``),
 and colocate_grpo with merge-aware bf16 LoRA, its default (``ours-ma``); ``ours-ma-fraction`` is
 ``ours-ma`` with its KV cache sized as TRL's (all of the memory fraction), not to the batch; ``ours-adapter``
@@ -179,7 +180,8 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     asynchronously), the check of the graph's addresses before a replay, its key (read during the
     replay) and the key's reads of the LoRA layers, the prefix-cache reset,
     and the phase clock's reads and waits (a wait there is where the device finishes the push). With the
-    adapter served: its push's wall time, the addresses' check and the key, read while the device writes."""
+    adapter served: its push's wall time, the addresses' check and the key, read while the device writes.
+    With merged serving on the shared base: the restore of the base after each generation (launches)."""
     from colocate_grpo import adapters, sync, trainer
     from colocate_grpo.engine import Engine
     from colocate_grpo.metrics import PhaseClock
@@ -195,13 +197,15 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     writes, capture = adapters.AdapterWrites, adapters._Capture
     capture.reads_same_memory = _timed_part(phases, totals, "adapter_addresses", capture.reads_same_memory)
     writes._factors_key = _timed_part(phases, totals, "adapter_key", writes._factors_key)
+    sync.MergedInPlace.restore = _timed_part(phases, totals, "restore", sync.MergedInPlace.restore)
 
 
 def time_push_on_device(pushes: list, function: str = "push_weights") -> None:
     """Record CUDA events around colocate_grpo's push, into ``pushes``: from its call until the device has
     written the weights. Its wall time cannot show that, as the KV cache's wake runs during the writes.
     ``function`` is the trainer module's push to time: ``push_weights`` (the weights, merged unless the
-    adapter is served) or ``push_adapter`` (the adapter's factors into vLLM's LoRA buffers)."""
+    adapter is served), ``merge_into_shared_base`` (merged into the shared base in place) or ``push_adapter``
+    (the adapter's factors into vLLM's LoRA buffers)."""
     import torch
 
     from colocate_grpo import trainer
@@ -245,6 +249,7 @@ USER_SERVING = {
     "user-adapter": {"trl": {"vllm_lora_sync": True}},
     "user-4bit": {"load_in_4bit": True},
     "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
+    "user-own": {},  # the plain config with two copies of the base (not shared): what sharing saves, and costs
 }
 
 
@@ -337,6 +342,10 @@ def run_one(
         vllm_max_model_length=max_model_len,
         seed=0,
     )
+    if kind.endswith("-own"):  # what sharing the base weights saves, and costs
+        import colocate_grpo.trainer as trainer_module
+
+        trainer_module.share_base_weights = lambda model, engine: 0
     if kind in USER_SERVING:
         from colocate_grpo.train import build_trainer
 
@@ -382,10 +391,6 @@ def run_one(
             enforce_eager=False,
             kv_cache="memory_fraction" if kind.endswith("-fraction") else "batch",
         )
-        if kind == "ours-adapter-own":  # what sharing the base weights saves, and costs
-            import colocate_grpo.trainer as trainer_module
-
-            trainer_module.share_base_weights = lambda model, engine: 0
         trainer = ColocateGRPOTrainer(**common, vllm_options=options, serve_adapter=kind.startswith("ours-adapter"))
 
     def device_used_gib() -> float:
@@ -432,6 +437,7 @@ def run_one(
         time_sync_parts(phases, current)
         if cuda:
             time_push_on_device(pushes)
+            time_push_on_device(pushes, "merge_into_shared_base")
             time_push_on_device(adapter_pushes, "push_adapter")
 
     def add_push_s() -> None:

@@ -201,6 +201,12 @@ class Config:
         return self.adapter == "lora" and bool(self.trl.get("vllm_lora_sync") or self.load_in_4bit)
 
     @property
+    def shares_base_weights(self) -> bool:
+        """Whether the trainer's base weights are the engine's (one copy on the device): LoRA, served either way.
+        Merged serving merges into them in place for each generation and restores them bitwise."""
+        return self.adapter == "lora"
+
+    @property
     def engine_max_model_len(self) -> int:
         """The engine's token budget per sequence: vllm.max_model_len, else prompt + completion."""
         return self.vllm.max_model_len or self.max_prompt_length + self.max_completion_length

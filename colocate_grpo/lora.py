@@ -257,6 +257,88 @@ def temporarily_merged(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
                 layers[name].get_base_layer().weight.copy_(original)
 
 
+# Integer views of a float tensor's bits, by element size: what an exact in-place write compares and restores.
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# An index and the old bits of a value whose change does not fit in one byte: about 10 bytes (int64 + bf16).
+_OUTLIER_BYTES = 10
+
+
+@dataclass
+class Overwritten:
+    """What :func:`overwrite` replaced in a tensor, kept compactly: :meth:`restore` puts its old bits back.
+
+    Each value's old bits minus its new bits, as integers, wraps into one byte where it fits (an update a
+    few units in the last place wide: a merged LoRA delta, mostly); the values whose change does not fit
+    keep their index and old bits. A tensor where that would take more than a plain copy keeps the copy.
+    """
+
+    target: torch.Tensor
+    steps: torch.Tensor | None  # int8, target's shape: old bits - new bits, wrapped to 16 (or 32) bits
+    outliers: torch.Tensor | None  # int64 flat indices of the values whose step does not fit in int8
+    outlier_bits: torch.Tensor | None  # their old bits
+    copy: torch.Tensor | None  # the old bits whole, where the outliers would take more
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this record holds."""
+        kept = (self.steps, self.outliers, self.outlier_bits, self.copy)
+        return sum(t.nbytes for t in kept if t is not None)
+
+    @property
+    def outlier_count(self) -> int:
+        """Values whose change did not fit in one byte (all of them where a copy is kept)."""
+        if self.copy is not None:
+            return self.copy.numel()
+        return 0 if self.outliers is None else self.outliers.numel()
+
+    def original(self) -> torch.Tensor:
+        """A new tensor holding the target's old values, bitwise; the target is not touched."""
+        old = self.target.detach().clone()
+        self._apply(old)
+        return old
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Put the target's old bits back, exactly."""
+        self._apply(self.target.data)
+
+    def _apply(self, tensor: torch.Tensor) -> None:
+        bits = tensor.view(_BITS[tensor.element_size()])
+        if self.copy is not None:
+            bits.copy_(self.copy)
+            return
+        bits.add_(self.steps)  # wraps, as the subtraction that made the steps did
+        if self.outliers.numel():
+            bits.view(-1).index_copy_(0, self.outliers, self.outlier_bits)
+
+
+@torch.no_grad()
+def overwrite(target: torch.Tensor, value: torch.Tensor) -> Overwritten:
+    """Write ``value`` into ``target`` in place; the record returned restores ``target`` bitwise.
+
+    For a merge into the weight it came from (``cast(W + s * B @ A)`` over W) the record takes about
+    one byte per value, against the two of a bf16 copy.
+
+    Args:
+        target: a contiguous float tensor (a base weight, or its rows of an engine's fused parameter).
+        value: its new values, same shape; cast to ``target``'s dtype as ``copy_`` would.
+    """
+    if not target.is_contiguous():
+        raise ValueError("overwrite needs a contiguous target")
+    bits_type = _BITS[target.element_size()]
+    new = value.to(target.dtype).contiguous()
+    old_bits, new_bits = target.view(bits_type), new.view(bits_type)
+    wide_steps = old_bits - new_bits
+    steps = wide_steps.to(torch.int8)
+    outliers = (steps != wide_steps).view(-1).nonzero().squeeze(1)
+    if steps.nbytes + outliers.numel() * _OUTLIER_BYTES > target.nbytes:
+        record = Overwritten(target, None, None, None, copy=old_bits.clone())
+    else:
+        record = Overwritten(target, steps, outliers, old_bits.view(-1)[outliers], copy=None)
+    target.copy_(new)
+    return record
+
+
 @dataclass
 class RetainedUpdate:
     """How much of the LoRA delta survives the cast to the served dtype, summed over layers.

@@ -39,6 +39,9 @@ _LORA_ITEMSIZE = 4
 # A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer
 # computes with the same). Embeddings, head and norms stay in the model's dtype.
 _NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
+# Merged serving on a shared base records what each merge overwrote (colocate_grpo.lora.overwrite): a byte per merged
+# weight, and 10 for each weight whose change needs more. Room for 2% of them, where a long run's are far fewer.
+_MERGE_RECORD_BYTES_PER_WEIGHT = 1 + 0.02 * 10
 
 
 class MemoryPlanError(ConfigError):
@@ -178,9 +181,12 @@ class MemoryPlan:
 
     Attributes:
         trainer_weights: the trainer's model (base weights and adapters; the adapters alone where the
-            base weights are the engine's, ``Config.serves_adapter``).
+            base weights are the engine's, ``Config.shares_base_weights``).
         trainer_states: gradients and AdamW moments of the trainable parameters.
-        engine_weights: the engine's copy of the weights (merged into it at every sync).
+        engine_weights: the engine's weights (the LoRA merged into them at every sync, unless the
+            engine serves the adapter).
+        merge_record: with merged serving on a shared base, what restores the base after each
+            generation (about a byte per merged weight).
         kv_cache: the engine's KV cache, sized to the generation batch at full length.
         engine_runtime: vLLM's forward activations and, with CUDA graphs, the graphs' memory.
         activations: an estimate of training's activations for one micro-batch (not a bound).
@@ -190,6 +196,7 @@ class MemoryPlan:
     trainer_weights: int
     trainer_states: int
     engine_weights: int
+    merge_record: int
     kv_cache: int
     engine_runtime: int
     activations: int
@@ -199,7 +206,8 @@ class MemoryPlan:
     @property
     def generation_peak(self) -> int:
         """Bytes on the device while the engine generates: everything but training's activations."""
-        return self.trainer_weights + self.trainer_states + self.engine_weights + self.kv_cache + self.engine_runtime
+        trainer = self.trainer_weights + self.trainer_states
+        return trainer + self.engine_weights + self.merge_record + self.kv_cache + self.engine_runtime
 
     @property
     def fits(self) -> bool:
@@ -209,9 +217,10 @@ class MemoryPlan:
     def summary(self) -> str:
         """One line: the parts in GiB, their sum, the free memory, and the activations estimate."""
         g = _gib
+        record = f" + {g(self.merge_record)} merge record" if self.merge_record else ""
         return (
             f"Memory plan: trainer {g(self.trainer_weights)} weights + {g(self.trainer_states)} gradients and "
-            f"optimizer, engine {g(self.engine_weights)} weights + {g(self.kv_cache)} KV cache + "
+            f"optimizer, engine {g(self.engine_weights)} weights{record} + {g(self.kv_cache)} KV cache + "
             f"{g(self.engine_runtime)} runtime = {g(self.generation_peak)} GiB while generating, of "
             f"{g(self.free)} GiB free ({g(self.total)} GiB device); training activations about "
             f"{g(self.activations)} GiB."
@@ -238,12 +247,15 @@ def plan_memory(
         longest_prompt: the dataset's longest prompt in tokens; None plans for max_prompt_length.
     """
     weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
+    record = 0
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
         # A shared base is the engine's copy: the trainer adds only its adapter.
-        trainer_weights = adapter if config.serves_adapter else weights + adapter
+        trainer_weights = adapter if config.shares_base_weights else weights + adapter
         states = _TRAINING_COPIES * adapter
+        if config.shares_base_weights and not config.serves_adapter:
+            record = int(sum(out * in_ for out, in_ in adapted) * _MERGE_RECORD_BYTES_PER_WEIGHT)
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
@@ -254,6 +266,7 @@ def plan_memory(
         trainer_weights=trainer_weights,
         trainer_states=states,
         engine_weights=weights,
+        merge_record=record,
         kv_cache=kv,
         engine_runtime=runtime,
         activations=training_activation_bytes(config, shape, dtype, longest_prompt),
@@ -300,8 +313,8 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
         fixes.insert(0, "'adapter: lora' instead of full fine-tuning (no gradients or optimizer states for the base)")
     elif not config.serves_adapter:
         fixes[:0] = [
-            f"'trl.vllm_lora_sync: true' (vLLM serves the adapter, and the trainer and the engine share one copy of "
-            f"the base weights: {_gib(plan.engine_weights)} GiB less)",
+            f"'trl.vllm_lora_sync: true' (vLLM serves the adapter: no merge, and no merge record, "
+            f"{_gib(plan.merge_record)} GiB less)",
             "'load_in_4bit: true' (QLoRA: one copy of the base, its linear weights in 4 bits, about 0.28x their bf16 "
             "size)",
         ]

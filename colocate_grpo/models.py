@@ -168,7 +168,7 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
 def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
     """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``.
 
-    A base the engine will share (``config.serves_adapter``) is left in host memory; the
+    A base the engine will share (``config.shares_base_weights``) is left in host memory; the
     trainer moves the model once its base weights are the engine's. A 4-bit base is not loaded at
     all: its layers hold nothing until they become views of the engine's NF4 weights
     (:mod:`colocate_grpo.quantized`).
@@ -182,7 +182,7 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
         # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
-        if not config.serves_adapter:
+        if not config.shares_base_weights:
             model.to(device)
     if config.adapter != "lora":
         return model

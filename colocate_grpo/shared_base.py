@@ -1,16 +1,18 @@
 """One copy of the base weights: the trainer's frozen weights become views of the engine's parameters.
 
-When the engine serves the adapter (:mod:`colocate_grpo.adapters`), the base weights it computes
-with never change, and neither do the trainer's: both hold the same bf16 tensors from the same
-checkpoint. Sharing makes the trainer's frozen parameters (q/k/v and gate/up as row views of vLLM's
-fused ones, the embedding as the first rows of its padded one, a tied head with it) point at the
-engine's memory, and the trainer's own copy is freed. A sync then sends only the adapter.
+A LoRA model's base weights never change in training, and the engine starts with the same bf16
+tensors from the same checkpoint. Sharing makes the trainer's frozen parameters (q/k/v and gate/up
+as row views of vLLM's fused ones, the embedding as the first rows of its padded one, a tied head
+with it) point at the engine's memory, and the trainer's own copy is freed.
 
-Nothing may write the shared tensors: the trainer never updates frozen weights, and the engine
-keeps them resident (``Engine.pin_weights``: its KV cache sleeps alone). The trainer's model may
-still be in host memory when it shares (a GPU run loads it there, so that the device never holds
-two copies): its frozen weights then move to the device as views of the engine's, and the rest
-follows when the trainer moves the model.
+When the engine serves the adapter (:mod:`colocate_grpo.adapters`), a sync sends only the adapter
+and nothing writes the shared tensors. With merged serving, a sync merges each LoRA layer into its
+shared base weight in place, keeping about a byte per weight to restore it bitwise once the
+generation ends (:class:`colocate_grpo.sync.MergedInPlace`), so the trainer always computes with
+the checkpoint's base. The engine keeps the weights resident (``Engine.pin_weights``: its KV cache
+sleeps alone). The trainer's model may still be in host memory when it shares (a GPU run loads it
+there, so that the device never holds two copies): its frozen weights then move to the device as
+views of the engine's, and the rest follows when the trainer moves the model.
 """
 
 from __future__ import annotations

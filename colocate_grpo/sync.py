@@ -1,8 +1,10 @@
 """Getting the trainer's weights into the colocated engine.
 
 Each LoRA linear's merged weight is computed from the trainer's base weight and
-adapter, on GPUs straight into the engine's parameter: the trainer's base weights
-are never touched, and no second copy of the model is made.
+adapter, on GPUs straight into the engine's parameter. Where the trainer's base
+weights are the engine's (one shared copy, :mod:`colocate_grpo.shared_base`), the
+merge goes into them in place for the generation, with a compact record that puts
+the base back bitwise before the trainer computes again (:class:`MergedInPlace`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine, ParameterView, Weights
-from colocate_grpo.lora import RetainedUpdate, lora_factors, merged_weight
+from colocate_grpo.lora import Overwritten, RetainedUpdate, lora_factors, merged_weight, overwrite
 
 
 def hf_name(peft_name: str) -> str:
@@ -251,12 +253,85 @@ def push_weights(
         writes(include_frozen, stats)
 
 
+class MergedInPlace:
+    """The base weights a sync merged into in place (shared with the engine), and how to restore them bitwise.
+
+    Empty when the trainer's weights are its own. The engine serves the merged weights until
+    :meth:`restore`; the trainer must not compute in between (``ColocatedGeneration`` restores
+    after every generation, and after a sync that fails part way).
+    """
+
+    def __init__(self) -> None:
+        self.records: dict[int, Overwritten] = {}  # by the base weight's address
+
+    def __bool__(self) -> bool:
+        return bool(self.records)
+
+    def add(self, base: torch.Tensor, merged: torch.Tensor) -> None:
+        """Write ``merged`` into ``base`` in place, remembering how to undo it."""
+        if base.data_ptr() in self.records:
+            raise RuntimeError("this base weight is merged already: restore() it before merging again")
+        self.records[base.data_ptr()] = overwrite(base, merged)
+
+    def original(self, base: torch.Tensor) -> torch.Tensor:
+        """``base``'s values before its merge (``base`` itself where it was not merged)."""
+        record = self.records.get(base.data_ptr())
+        return base if record is None else record.original()
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the records hold (about one per merged weight)."""
+        return sum(record.nbytes for record in self.records.values())
+
+    @property
+    def outlier_fraction(self) -> float:
+        """Share of the merged values whose change needed more than a byte to record."""
+        total = sum(record.target.numel() for record in self.records.values())
+        return sum(record.outlier_count for record in self.records.values()) / total if total else 0.0
+
+    def restore(self) -> None:
+        """Put every merged base weight back, bitwise, and forget the records."""
+        while self.records:
+            _, record = self.records.popitem()
+            record.restore()
+
+
 @torch.no_grad()
-def served_weight_mismatches(model: torch.nn.Module, engine: Engine) -> list[str] | None:
+def merge_into_shared_base(
+    model: torch.nn.Module, engine: Engine, merged: MergedInPlace, stats: RetainedUpdate | None = None
+) -> None:
+    """Serve the trainer's merged weights where its base weights are the engine's: each LoRA layer's merged
+    weight goes into its base weight in place, recorded in ``merged``.
+
+    Trainable tensors that are not shared (``modules_to_save``) are copied into the engine as by
+    :func:`push_weights`; frozen shared ones are the engine's already. On an exception part way the
+    layers merged so far stay in ``merged``, for the caller to restore.
+
+    Raises:
+        RuntimeError: where the engine's parameters do not map onto the trainer's tensors.
+    """
+    writes = _in_place_writes(model, engine, merge=True)
+    if writes is None:
+        raise RuntimeError("the engine's parameters do not map onto the trainer's tensors: nothing can be shared")
+    with engine.writing_weights():
+        for source in _to_send(writes.sources, include_frozen=False):
+            rows = writes.views[source.name].rows
+            if rows.data_ptr() != source.param.data_ptr():
+                source.value(stats, out=rows)
+            elif source.layer is not None and lora_factors(source.layer) is not None:
+                merged.add(source.param, source.value(stats))
+
+
+@torch.no_grad()
+def served_weight_mismatches(
+    model: torch.nn.Module, engine: Engine, merged: MergedInPlace | None = None
+) -> list[str] | None:
     """HF names of the trainer's weights that differ, bitwise, from what the engine holds.
 
     An empty list means the engine serves exactly the trainer's (merged) weights. None when the
     engine's parameters do not map onto the trainer's tensors (see ``Engine.parameter_views``).
+    With ``merged``, a base weight merged in place counts with its values before the merge: the
+    engine must serve the merge of what :meth:`MergedInPlace.restore` gives the trainer back.
     """
     sources = _sources(model)
     views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
@@ -264,7 +339,13 @@ def served_weight_mismatches(model: torch.nn.Module, engine: Engine) -> list[str
         return None
     mismatches = []
     for source in sources:
-        expected, served = source.value(None), views[source.name].rows
+        factors = lora_factors(source.layer) if source.layer is not None else None
+        if merged and factors is not None:
+            base = merged.original(source.param)
+            expected = merged_weight(base, *factors, getattr(source.layer, "merge_dtype", None))
+        else:
+            expected = source.value(None)
+        served = views[source.name].rows
         if not torch.equal(served.to(expected.device), expected):
             mismatches.append(source.name)
     return mismatches

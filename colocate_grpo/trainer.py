@@ -3,8 +3,10 @@
 TRL owns the GRPO loop (losses, rewards, importance sampling, logging). Two things
 change: its ``VLLMGeneration`` is replaced by :class:`ColocatedGeneration`, which
 drives our :class:`~colocate_grpo.engine.Engine` and owns the sleep/wake policy,
-and weights reach the engine through :mod:`colocate_grpo.sync` (merged out of
-place, base weights untouched) instead of PEFT merge/unmerge and per-tensor loads.
+and weights reach the engine through :mod:`colocate_grpo.sync` instead of PEFT
+merge/unmerge and per-tensor loads. A LoRA model's base weights are the engine's
+(one copy, :mod:`colocate_grpo.shared_base`): merged serving merges into them in
+place for each generation and restores them bitwise before the trainer computes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from colocate_grpo.memory_plan import MIN_NUM_SEQS
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
 from colocate_grpo.quantized import served_code_mismatches
 from colocate_grpo.shared_base import share_base_weights
-from colocate_grpo.sync import push_weights, served_weight_mismatches
+from colocate_grpo.sync import MergedInPlace, merge_into_shared_base, push_weights, served_weight_mismatches
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,12 @@ class MergeCheck:
     def due(self) -> bool:
         return self.interval > 0 and (self.checks == 0 or self.step() % self.interval == 0)
 
-    def report(self, stats: RetainedUpdate, mismatches: list[str] | None) -> None:
+    def report(
+        self, stats: RetainedUpdate, mismatches: list[str] | None, in_place: MergedInPlace | None = None
+    ) -> None:
         metrics = {"lora_merge/changed_fraction": stats.changed_fraction}
+        if in_place:  # the share of merged values whose undo needed more than a byte: the record's growth
+            metrics["lora_merge/in_place_outliers"] = in_place.outlier_fraction
         # Merge-aware LoRA trains the cast weights themselves: all of its update is served, which the
         # bitwise check below shows; the cast-of-the-fp32-delta share would only mislead there.
         if stats.delta_sq > 0 and not self.merge_aware:  # a fresh adapter (B = 0) has no update yet
@@ -106,6 +112,10 @@ class ColocatedGeneration(VLLMGeneration):
     sleep afterwards, also when generation raises. A sync wakes the weights, writes
     them, and wakes the KV cache while the device is still writing. Completions are
     not detokenized by vLLM unless stop strings need it (TRL decodes them itself).
+
+    With merged serving on a shared base, the merge into the base weights lasts from the sync to
+    the end of the generation (or of a failed sync): then the base is restored, bitwise, and a
+    generation without a new sync merges the same weights again.
     """
 
     def __init__(
@@ -119,6 +129,7 @@ class ColocatedGeneration(VLLMGeneration):
         self._engine_factory = engine_factory
         self.serve_adapter = serve_adapter
         self.shared_base_bytes = shared_base_bytes  # the trainer's base weights given up for the engine's
+        self.merged_in_place = MergedInPlace()  # base weights merged for the engine, until restored
         self.merge_check: MergeCheck | None = None
         self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
@@ -139,16 +150,31 @@ class ColocatedGeneration(VLLMGeneration):
         return self.shared_base_bytes > 0
 
     @property
+    def merges_in_place(self) -> bool:
+        """Whether a sync merges the LoRA layers into the shared base weights (restored after generating)."""
+        return self.shares_base and not self.serve_adapter
+
+    @property
     def engine(self) -> Engine:
         return self.llm
 
     def sync_weights(self) -> None:
+        try:
+            self._sync_weights()
+        except BaseException:
+            self.merged_in_place.restore()  # the layers merged before the failure: the trainer's base again
+            raise
+
+    def _sync_weights(self) -> None:
         check = self.merge_check if self.merge_check is not None and self.merge_check.due() else None
         stats = RetainedUpdate() if check is not None else None
         with self.clock.phase("wake"):
             self.llm.wake_up(["weights"])
         with self.clock.phase("sync"):
-            if self.serve_adapter:
+            if self.merges_in_place:
+                self.merged_in_place.restore()  # a sync without a generation since the last one
+                merge_into_shared_base(self.model, self.llm, self.merged_in_place, stats)
+            elif self.serve_adapter:
                 # The base weights go only where the engine lost them (a level-2 sleep), with its LoRA buffers.
                 # Pinned ones (shared with the trainer, or 4-bit) are never lost, and written by nobody, ever.
                 base_lost = self.llm.state.weights is not Weights.RESIDENT and not self.llm.weights_pinned
@@ -167,11 +193,15 @@ class ColocatedGeneration(VLLMGeneration):
             if self.llm.quantization is not None:
                 check.report_codes(served_code_mismatches(self.model, self.llm))
         else:
-            check.report(stats, served_weight_mismatches(self.model, self.llm) if check.merge_aware else None)
+            merged = self.merged_in_place
+            mismatches = served_weight_mismatches(self.model, self.llm, merged) if check.merge_aware else None
+            check.report(stats, mismatches, merged)
 
     def generate(self, *args: Any, **kwargs: Any) -> tuple:
-        if self.llm.state.weights in (Weights.DISCARDED, Weights.GARBAGE):
-            self.sync_weights()  # a level-2 sleep since the last sync threw the weights away
+        # The weights are lost after a level-2 sleep; a shared base is merged only from a sync to a generation's end.
+        lost = self.llm.state.weights in (Weights.DISCARDED, Weights.GARBAGE)
+        if lost or (self.merges_in_place and not self.merged_in_place):
+            self.sync_weights()
         if not self.llm.state.ready:  # a sync wakes everything
             with self.clock.phase("wake"):
                 self.llm.wake_up()
@@ -181,6 +211,7 @@ class ColocatedGeneration(VLLMGeneration):
         finally:
             with self.clock.phase("sleep"):
                 self.llm.sleep()  # the KV cache alone where the weights are shared (pinned)
+                self.merged_in_place.restore()
 
 
 def _largest_lora_rank(model: Any) -> int:
@@ -217,6 +248,9 @@ class ColocateGRPOTrainer(GRPOTrainer):
             instead of merged weights. Needs a PEFT LoRA model without merge-aware layers.
         sequence_tokens: the tokens a generated sequence takes at most (the dataset's longest prompt plus
             ``max_completion_length``), which sizes the KV cache; None sizes it for ``max_model_len``.
+
+    A PEFT model's frozen base weights become the engine's (:mod:`colocate_grpo.shared_base`) where
+    their layouts line up: the device holds one copy, and the engine's KV cache sleeps alone.
 
     ``args.cast_lm_head_to_fp32`` computes the logits in fp32 on both sides: the engine with vLLM's
     fp32 head, the trainer with TRL's fused head in fp32. Both read the head's weights in the
@@ -279,11 +313,13 @@ class ColocateGRPOTrainer(GRPOTrainer):
             )
 
         shared_base_bytes = 0
-        if serve_adapter:
-            # Before TRL moves the model to the device: a base still in host memory (load_model leaves it
-            # there for adapter serving) becomes the engine's copy, and the device never holds two.
+        if hasattr(model, "peft_config"):
+            # Before TRL moves the model to the device: a base still in host memory (load_model leaves a LoRA
+            # model's there) becomes the engine's copy, and the device never holds two.
             engine = build_engine(model)
-            shared_base_bytes = share_base_weights(model, engine)
+            # A merged sync writes into the shared weights: only where the engine computes with them.
+            if serve_adapter or engine.writes_in_place:
+                shared_base_bytes = share_base_weights(model, engine)
         generation = functools.partial(
             ColocatedGeneration,
             engine_factory=lambda generation: build_engine(generation.model),
@@ -320,14 +356,15 @@ class ColocateGRPOTrainer(GRPOTrainer):
     def _served_weights(self) -> str:
         if self.engine.quantization is not None:
             return "4-bit base + adapter (vLLM's NF4 base, one copy shared with the trainer, and its LoRA kernels)"
-        if self.vllm_generation.shares_base:
-            return "adapter (vLLM's LoRA kernels on the base weights, one copy shared with the trainer)"
+        shared = self.vllm_generation.shares_base
         if self.vllm_generation.serve_adapter:
-            return "adapter (vLLM's LoRA kernels on the base weights)"
+            one_copy = ", one copy shared with the trainer" if shared else ""
+            return f"adapter (vLLM's LoRA kernels on the base weights{one_copy})"
+        one_copy = "; one copy of the base, shared with the trainer and merged in place" if shared else ""
         if self.vllm_generation.merge_check.merge_aware:
-            return "merge-aware (merged weights, bitwise what is trained)"
+            return f"merge-aware (merged weights, bitwise what is trained{one_copy})"
         if hasattr(self.model, "peft_config"):
-            return "merged (LoRA merged into the weights, rounded to their dtype)"
+            return f"merged (LoRA merged into the weights, rounded to their dtype{one_copy})"
         return "weights (full fine-tuning)"
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

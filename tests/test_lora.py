@@ -12,6 +12,7 @@ from colocate_grpo.lora import (
     lora_factors,
     merge_aware_linear,
     merged_weight,
+    overwrite,
     retained_update,
     temporarily_merged,
 )
@@ -171,6 +172,37 @@ def test_temporary_merge_restores_on_exceptions(error):
         )
         raise error
     assert_bitwise_equal(before, model)
+
+
+def bits(tensor):
+    return tensor.view({2: torch.int16, 4: torch.int32}[tensor.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_merge_written_in_place_is_undone_bitwise(dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) * 0.02).to(dtype)
+    # Values a merge moves by many units in the last place, across zero, and special ones.
+    weight.view(-1)[:8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-6, -1e-6, float("inf"), float("nan")]).to(dtype)
+    before = weight.clone()
+    lora_A, lora_B = torch.randn(8, 64) * 0.05, torch.randn(96, 8) * 0.05
+    merged = merged_weight(weight, lora_A, lora_B, 2.0, dtype)
+    record = overwrite(weight, merged)
+    assert torch.equal(bits(weight), bits(merged))
+    assert torch.equal(bits(record.original()), bits(before)) and torch.equal(bits(weight), bits(merged))
+    record.restore()
+    assert torch.equal(bits(weight), bits(before))
+
+
+def test_a_bf16_merge_record_takes_about_a_byte_a_weight_and_a_copy_at_most():
+    torch.manual_seed(0)
+    weight = (torch.randn(512, 256) * 0.02).to(torch.bfloat16)
+    lora_A, lora_B = torch.randn(16, 256) * 1e-2, torch.randn(512, 16) * 1e-3  # an RL-sized delta
+    record = overwrite(weight, merged_weight(weight, lora_A, lora_B, 2.0))
+    assert record.outlier_count < weight.numel() // 100
+    assert record.nbytes < 0.6 * weight.nbytes
+    wild = overwrite(weight, torch.randn_like(weight))  # every value moved far: the old bits kept whole
+    assert wild.copy is not None and wild.nbytes == weight.nbytes
 
 
 def test_peft_merge_unmerge_drifts_while_merge_aware_is_exact():

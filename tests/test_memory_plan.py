@@ -33,15 +33,16 @@ def test_the_plan_adds_up_the_known_parts():
     config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 256}})
     plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
     adapter = 16 * ((1536 + 1536) + (8960 + 1536)) * 4  # r x (out + in) per adapted linear, fp32
-    assert plan.trainer_weights == 1_500_000_000 * 2 + adapter
+    assert plan.trainer_weights == adapter  # the base weights are the engine's: one copy
     assert plan.trainer_states == 3 * adapter  # gradients and AdamW's two moments
     assert plan.engine_weights == 1_500_000_000 * 2
+    # Merged serving merges into the shared base in place: a byte per adapted weight restores it, with room to spare.
+    assert plan.merge_record == int((1536 * 1536 + 8960 * 1536) * 1.2)
     assert plan.kv_cache == kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 512 + 256)
     assert plan.kv_cache == 28672 * 64 * (13 * 64)  # 768 tokens round up to 832 with a block to spare
     assert plan.engine_runtime == ACTIVATION_MARGIN_BYTES + CUDA_GRAPH_BYTES  # CUDA graphs on by default
-    assert plan.generation_peak == sum(
-        [plan.trainer_weights, plan.trainer_states, plan.engine_weights, plan.kv_cache, plan.engine_runtime]
-    )
+    parts = [plan.trainer_weights, plan.trainer_states, plan.engine_weights, plan.merge_record, plan.kv_cache]
+    assert plan.generation_peak == sum(parts) + plan.engine_runtime
     assert plan.fits and "GiB while generating" in plan.summary()
 
 
@@ -67,17 +68,24 @@ def test_the_kv_cache_holds_one_sequence_of_max_model_len_however_short_the_prom
     )
 
 
+def test_an_adapter_served_on_the_shared_base_needs_no_merge_record():
+    config = load_config({"trl": {"vllm_lora_sync": True}})
+    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    assert plan.merge_record == 0 and plan.trainer_weights == 16 * ((1536 + 1536) + (8960 + 1536)) * 4
+
+
 def test_full_fine_tuning_counts_gradients_and_optimizer_states_of_every_weight():
     plan = plan_memory(load_config({"adapter": None}), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
     assert plan.trainer_states == 3 * plan.trainer_weights
+    assert plan.trainer_weights == plan.engine_weights and plan.merge_record == 0  # two copies: the trainer's change
 
 
 def test_a_run_that_cannot_fit_is_refused_with_its_numbers_and_fixes():
     config = load_config({})
-    plan = plan_memory(config, SHAPE, torch.bfloat16, free=8 * GIB, total=8 * GIB)
+    plan = plan_memory(config, SHAPE, torch.bfloat16, free=6 * GIB, total=6 * GIB)
     assert not plan.fits
     message = refusal(plan, config)
-    assert "GiB more than the 8.0 GiB free" in message
+    assert "GiB more than the 6.0 GiB free" in message
     assert "micro_batch_size" in message and "max_completion_length" in message and "base_model" in message
 
 
@@ -109,5 +117,5 @@ def test_a_4bit_base_counts_its_linear_weights_at_nf4_size_once():
 
 def test_the_refusal_offers_the_shared_base_and_a_4bit_base():
     config = load_config({})
-    message = refusal(plan_memory(config, SHAPE, torch.bfloat16, free=8 * GIB, total=8 * GIB), config)
+    message = refusal(plan_memory(config, SHAPE, torch.bfloat16, free=6 * GIB, total=6 * GIB), config)
     assert "'trl.vllm_lora_sync: true'" in message and "'load_in_4bit: true'" in message

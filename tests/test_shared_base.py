@@ -1,15 +1,18 @@
-"""One copy of the base weights: with the adapter served, the trainer's frozen weights are the engine's."""
+"""One copy of the base weights: a LoRA run's frozen weights are the engine's, with the adapter served or merged.
+
+Merged serving merges into the shared base in place for each generation; the trainer must find the
+checkpoint's base bitwise after every step, and after an interrupt anywhere."""
 
 import pytest
 import torch
-from test_interrupts import InterruptTraining, interrupt_generation
+from test_interrupts import InterruptTraining, interrupt_generation, interrupt_sync
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import colocate_grpo.adapters as adapters
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import Weights
 from colocate_grpo.shared_base import frozen_base, shares_base_weights
-from colocate_grpo.sync import hf_name
+from colocate_grpo.sync import hf_name, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path, train
 
 # Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py); on GPUs, with vLLM's
@@ -17,10 +20,16 @@ from colocate_grpo.train import build_trainer, default_config_path, train
 pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
 
 
-def shared_config(tmp_path, **overrides):
+# How the engine serves the policy: the adapter (vLLM's LoRA kernels) or merge-aware LoRA merged in place (the default).
+SERVINGS = ["adapter", "merged"]
+# The check each serving logs at every sync: the engine's LoRA buffers, or its merged weights, against the trainer's.
+SERVED_CHECK = {"adapter": "lora_sync/served_equals_trained", "merged": "lora_merge/served_equals_trained"}
+
+
+def shared_config(tmp_path, serving="adapter", **overrides):
     raw = load_config(default_config_path()).to_dict()
     raw.update({"output_dir": str(tmp_path / "run"), "max_steps": 3, "micro_batch_size": 16, **overrides})
-    raw["trl"].update({"vllm_lora_sync": True, "vllm_merge_check_interval": 1})
+    raw["trl"].update({"vllm_lora_sync": serving == "adapter", "vllm_merge_check_interval": 1})
     return load_config(raw)
 
 
@@ -38,22 +47,51 @@ def assert_base_is_the_checkpoints(trainer, reference):
         assert torch.equal(param.cpu(), reference[name]), name
 
 
-def test_the_trainer_computes_with_the_engines_base_weights(tmp_path):
-    trainer = build_trainer(shared_config(tmp_path))
+@pytest.mark.parametrize("serving", SERVINGS)
+def test_the_trainer_computes_with_the_engines_base_weights(tmp_path, serving):
+    trainer = build_trainer(shared_config(tmp_path, serving))
     generation = trainer.vllm_generation
     assert shares_base_weights(trainer.model, trainer.engine)
     assert generation.shared_base_bytes == sum(p.nbytes for p in frozen_base(trainer.model).values())
-    assert "one copy shared" in trainer.served_as
+    assert ("one copy shared" if serving == "adapter" else "one copy of the base") in trainer.served_as
     reference = checkpoint_base(trainer)
     trainer.train()
-    # The engine's KV cache slept alone between generations: the weights stayed, nothing was pushed but the adapter.
+    # The engine's KV cache slept alone between generations: the weights stayed, and after each generation they
+    # were the checkpoint's base again (a merge lasts from a sync to the generation's end).
     assert trainer.engine.state.weights is Weights.RESIDENT and not trainer.engine.state.kv_cache_awake
-    assert shares_base_weights(trainer.model, trainer.engine)
+    assert shares_base_weights(trainer.model, trainer.engine) and not generation.merged_in_place
     assert_base_is_the_checkpoints(trainer, reference)
-    assert trainer.metrics.series("lora_sync/served_equals_trained") == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert trainer.metrics.series(SERVED_CHECK[serving]) == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    if serving == "merged":
+        # A fresh adapter (B = 0) changes nothing; then, at the tiny job's learning rate (300x an RL one), a few
+        # percent of the merged weights move too far for a byte to record.
+        outliers = [value for _, value in trainer.metrics.series("lora_merge/in_place_outliers")]
+        assert outliers[0] == 0 and all(value < 0.1 for value in outliers)
 
 
-def interrupt_adapter_sync(monkeypatch):
+def test_a_merge_in_place_is_served_and_a_generation_without_a_sync_merges_again(tmp_path):
+    trainer = build_trainer(shared_config(tmp_path, "merged", max_steps=1))
+    trainer.train()
+    generation, engine = trainer.vllm_generation, trainer.engine
+    layer = next(m for m in trainer.model.modules() if hasattr(m, "merge_dtype"))
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=0.05)  # an update large enough to change the served weights
+    generation.sync_weights()
+    merged = dict(generation.merged_in_place.records)
+    assert merged and trainer.engine.state.ready
+    # The engine serves the merge of the base the trainer gets back, bitwise.
+    assert served_weight_mismatches(trainer.model, engine, generation.merged_in_place) == []
+    base = layer.base_layer.weight
+    original = merged[base.data_ptr()].original()
+    assert not torch.equal(original, base)
+    generation.merged_in_place.restore()
+    assert torch.equal(base, original)  # the trainer's base is back, bitwise
+    prompt = trainer.processing_class("1+1=")["input_ids"]
+    generation.generate([prompt, prompt], images=None, num_generations=1)
+    assert not generation.merged_in_place and engine.state.weights is Weights.RESIDENT
+
+
+def interrupt_adapter_sync(trainer, monkeypatch):
     """Ctrl-C in the second adapter write, after two layers' A were written."""
     calls, write = [], adapters.AdapterWrites.__call__
 
@@ -68,14 +106,17 @@ def interrupt_adapter_sync(monkeypatch):
     monkeypatch.setattr(adapters.AdapterWrites, "__call__", interrupted)
 
 
+@pytest.mark.parametrize("serving", SERVINGS)
 @pytest.mark.parametrize("phase", ["generate", "sync", "train"])
-def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_resume(tmp_path, monkeypatch, phase):
-    config = shared_config(tmp_path, max_steps=3, save_steps=1)
+def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_resume(
+    tmp_path, monkeypatch, phase, serving
+):
+    config = shared_config(tmp_path, serving, max_steps=3, save_steps=1)
     trainer = build_trainer(config, callbacks=[InterruptTraining()] if phase == "train" else None)
     if phase == "generate":
         interrupt_generation(trainer, monkeypatch)
     elif phase == "sync":
-        interrupt_adapter_sync(monkeypatch)
+        (interrupt_adapter_sync if serving == "adapter" else interrupt_sync)(trainer, monkeypatch)
     reference = checkpoint_base(trainer)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
@@ -90,8 +131,9 @@ def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_res
             at_end.append({name: p.detach().cpu().clone() for name, p in frozen_base(model).items()})
 
     resumed = train(
-        shared_config(tmp_path, max_steps=3, save_steps=1, resume_from_checkpoint="latest"), callbacks=[BaseAtEnd()]
+        shared_config(tmp_path, serving, max_steps=3, save_steps=1, resume_from_checkpoint="latest"),
+        callbacks=[BaseAtEnd()],
     )
     assert [step for step, _ in resumed.metrics.series("reward")][-1] == 3
-    assert all(value == 1.0 for _, value in resumed.metrics.series("lora_sync/served_equals_trained"))
+    assert all(value == 1.0 for _, value in resumed.metrics.series(SERVED_CHECK[serving]))
     assert at_end and all(torch.equal(p, reference[name]) for name, p in at_end[0].items())
