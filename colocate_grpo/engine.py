@@ -335,6 +335,10 @@ class Engine:
             raise EngineStateError(f"Only weights on the device can be pinned ({self._state}).")
         self.weights_pinned = True
 
+    def unpin_weights(self) -> None:
+        """Let later sleeps offload or discard the weights again (:meth:`sleep`'s level): no other tensor views them."""
+        self.weights_pinned = False
+
     def _save_buffers(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """The engine model's buffers (rotary tables, attention scales) and copies of them on the device,
         by dtype: torch's fused copy takes one dtype a call, and goes tensor by tensor otherwise (1.2 ms

@@ -18,10 +18,11 @@ views of the engine's, and the rest follows when the trainer moves the model.
 from __future__ import annotations
 
 import torch
+from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine, Weights
 from colocate_grpo.quantized import share_4bit_base
-from colocate_grpo.sync import frozen_base
+from colocate_grpo.sync import frozen_base, hf_name
 
 
 @torch.no_grad()
@@ -33,7 +34,8 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
     trainer's tensors (``Engine.parameter_views``), where the engine cannot keep its weights while its KV
     cache sleeps (``Engine.can_sleep_kv_cache_alone``), or where some tensor differs from the
     engine's, bitwise: then the two sides do not hold the same weights, and sharing would change
-    what is trained.
+    what is trained. The LoRA layers' base weights are written into the engine first, as a sync
+    would write them: a reused engine may still hold another run's merged weights there.
     """
     if engine.quantization is not None:
         return share_4bit_base(model, engine)
@@ -44,10 +46,12 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
     if views is None:
         return 0
     engine.wake_up(["weights"])
-    if engine.state.weights is not Weights.RESIDENT:  # a level-2 sleep discarded them: the trainer's go in
-        # Straight into the views: vLLM's loader no longer knows the Hugging Face names once LoRA wrapped the layers.
-        with engine.writing_weights():
-            for name, param in base.items():
+    lost = engine.state.weights is not Weights.RESIDENT  # a level-2 sleep discarded them: all of the trainer's go in
+    merged_before = lora_base_names(model)
+    # Straight into the views: vLLM's loader no longer knows the Hugging Face names once LoRA wrapped the layers.
+    with engine.writing_weights():
+        for name, param in base.items():
+            if lost or name in merged_before:
                 views[name].rows.copy_(param)
                 if views[name].padding is not None:
                     views[name].padding.zero_()
@@ -61,6 +65,13 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
         freed += param.nbytes
         param.data = views[name].rows
     return freed
+
+
+def lora_base_names(model: torch.nn.Module) -> set[str]:
+    """Hugging Face names of the base weights under the model's LoRA layers: those a merged sync writes."""
+    return {
+        hf_name(f"{name}.base_layer.weight") for name, module in model.named_modules() if isinstance(module, LoraLayer)
+    }
 
 
 def shares_base_weights(model: torch.nn.Module, engine: Engine) -> bool:

