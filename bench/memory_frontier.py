@@ -115,7 +115,9 @@ def print_plan_table(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "3B", "7B", "14B"])
-    parser.add_argument("--kinds", nargs="+", default=[k for k in USER_SERVING if k != "user-fp32-head"])
+    # The ways of serving a user picks by config (user-own, two copies of the base, is a measurement's, not a user's).
+    ways = [k for k in USER_SERVING if k not in ("user-fp32-head", "user-own")]
+    parser.add_argument("--kinds", nargs="+", default=ways)
     parser.add_argument("--cards", nargs="+", type=float, default=[12, 16, 24, 40, 80])
     parser.add_argument("--stock", action="store_true", help="also stock TRL at the same settings")
     parser.add_argument("--steps", type=int, default=3)

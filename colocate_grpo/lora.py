@@ -273,10 +273,11 @@ class Overwritten:
     """
 
     target: torch.Tensor
-    steps: torch.Tensor | None  # int8, target's shape: old bits - new bits, wrapped to 16 (or 32) bits
+    steps: torch.Tensor | None  # int8, target's shape: old bits - new bits, wrapped to 16 (or 32) bits; 0 at outliers
     outliers: torch.Tensor | None  # int64 flat indices of the values whose step does not fit in int8
     outlier_bits: torch.Tensor | None  # their old bits
     copy: torch.Tensor | None  # the old bits whole, where the outliers would take more
+    restored: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -299,17 +300,20 @@ class Overwritten:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put the target's old bits back, exactly."""
-        self._apply(self.target.data)
+        """Put the target's old bits back, exactly; again is a no-op, also after an interrupt in between."""
+        if not self.restored:
+            self._apply(self.target.data)
+            self.restored = True
 
     def _apply(self, tensor: torch.Tensor) -> None:
         bits = tensor.view(_BITS[tensor.element_size()])
         if self.copy is not None:
             bits.copy_(self.copy)
             return
-        bits.add_(self.steps)  # wraps, as the subtraction that made the steps did
+        # The outliers first: their steps are 0, so an interrupt before the steps' add leaves a restore to redo.
         if self.outliers.numel():
             bits.view(-1).index_copy_(0, self.outliers, self.outlier_bits)
+        bits.add_(self.steps)  # wraps, as the subtraction that made the steps did
 
 
 @torch.no_grad()
@@ -334,6 +338,7 @@ def overwrite(target: torch.Tensor, value: torch.Tensor) -> Overwritten:
     if steps.nbytes + outliers.numel() * _OUTLIER_BYTES > target.nbytes:
         record = Overwritten(target, None, None, None, copy=old_bits.clone())
     else:
+        steps.view(-1)[outliers] = 0
         record = Overwritten(target, steps, outliers, old_bits.view(-1)[outliers], copy=None)
     target.copy_(new)
     return record

@@ -301,10 +301,11 @@ class MergedInPlace:
         return sum(record.outlier_count for record in self.records.values()) / total if total else 0.0
 
     def restore(self) -> None:
-        """Put every merged base weight back, bitwise, and forget the records."""
-        while self.records:
-            _, record = self.records.popitem()
+        """Put every merged base weight back, bitwise, and forget the records. After an interrupt part way,
+        calling it again restores the rest."""
+        for key, record in list(self.records.items()):
             record.restore()
+            del self.records[key]
 
 
 @torch.no_grad()

@@ -146,7 +146,8 @@ class ColocatedGeneration(VLLMGeneration):
 
     @property
     def shares_base(self) -> bool:
-        """Whether the trainer's base weights are the engine's (one copy; a sync sends only the adapter)."""
+        """Whether the trainer's base weights are the engine's (one copy): a sync sends the adapter, or merges it
+        into them in place."""
         return self.shared_base_bytes > 0
 
     @property
