@@ -75,7 +75,8 @@ class VLLMConfig:
         default=2,
         metadata={
             "help": "How deep vLLM sleeps while the trainer trains: 1 keeps a CPU copy of the weights, "
-            "2 keeps nothing (the next sync pushes the weights anyway)."
+            "2 keeps nothing (the next sync pushes the weights anyway). With LoRA the weights are the trainer's "
+            "base (one shared copy) and stay: only the KV cache sleeps."
         },
     )
 

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import SamplingParams
 
 from colocate_grpo.config import load_config
-from colocate_grpo.sync import push_weights, served_weight_mismatches
+from colocate_grpo.sync import served_weight_mismatches
 from colocate_grpo.tiny import tiny_model_path
 from colocate_grpo.train import build_trainer, default_config_path
 
@@ -35,8 +35,10 @@ def mean_mismatch(tmp_path, base_model, fp32_head):
     assert engine.head_dtype == (torch.float32 if fp32_head else torch.bfloat16)
     assert ("logits in fp32 on both sides" in trainer.served_as) is fp32_head
     assert model.get_output_embeddings().weight.dtype == torch.bfloat16  # no fp32 copy of the head
-    push_weights(model, engine)
-    assert served_weight_mismatches(model, engine) == []
+    generation = trainer.vllm_generation
+    generation.sync_weights()  # a fresh adapter (B = 0): its merge into the shared base is the base
+    assert served_weight_mismatches(model, engine, generation.merged_in_place) == []
+    generation.merged_in_place.restore()
     sequences = [tokenizer(q)["input_ids"] + tokenizer("15")["input_ids"] + [tokenizer.eos_token_id] for q in QUESTIONS]
     engine.wake_up()
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
