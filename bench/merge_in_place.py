@@ -17,20 +17,14 @@ import argparse
 import time
 
 import torch
-from shapes import QWEN25
+from shapes import QWEN25, linear_shapes
 
 from colocate_grpo.lora import merged_weight, overwrite
 
 
-def linear_shapes(shape: str) -> list[tuple[int, int]]:
-    """(out, in) of every linear layer but the head: q, k, v, o, gate, up, down per decoder layer."""
-    if shape == "tiny-ish":
-        return [(256, 128), (128, 256)] * 4
-    d = QWEN25[shape]
-    hidden, inter = d["hidden_size"], d["intermediate_size"]
-    kv = hidden // d["num_attention_heads"] * d["num_key_value_heads"]
-    per_layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden)]
-    return (per_layer + [(hidden, inter)]) * d["num_hidden_layers"]
+def shapes_of(shape: str) -> list[tuple[int, int]]:
+    """(out, in) of the linear layers to merge: a Qwen2.5 shape's, or a few small ones."""
+    return [(256, 128), (128, 256)] * 4 if shape == "tiny-ish" else linear_shapes(shape)
 
 
 def main() -> None:
@@ -42,7 +36,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     layers = []
-    for out, in_ in linear_shapes(args.shape):
+    for out, in_ in shapes_of(args.shape):
         weight = (torch.randn(out, in_, device=device) * 0.02).to(torch.bfloat16)
         layers.append(
             (weight, torch.randn(16, in_, device=device) * 1e-2, torch.randn(out, 16, device=device) * args.delta_std)

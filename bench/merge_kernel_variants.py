@@ -21,7 +21,7 @@ import argparse
 import torch
 import triton
 from profile_push import median_ms
-from shapes import QWEN25
+from shapes import linear_shapes
 
 from colocate_grpo.kernels import _merge_kernel, fused_merged_weight
 
@@ -60,14 +60,6 @@ VARIANTS = {
     "64x64 w4": variant(64, 64, 4),
     "128x128 w8": variant(128, 128, 8),
 }
-
-
-def linear_shapes(shape: str) -> list[tuple[int, int]]:
-    d = QWEN25[shape]
-    hidden, inter = d["hidden_size"], d["intermediate_size"]
-    kv = hidden // d["num_attention_heads"] * d["num_key_value_heads"]
-    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden)]
-    return (layer + [(hidden, inter)]) * d["num_hidden_layers"]
 
 
 def main() -> None:

@@ -34,3 +34,12 @@ QWEN25 = {
         vocab_size=152064,
     ),
 }
+
+
+def linear_shapes(shape: str) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer of a ``QWEN25`` shape but the head: q, k, v, o, gate, up, down per layer."""
+    d = QWEN25[shape]
+    hidden, inter = d["hidden_size"], d["intermediate_size"]
+    kv = hidden // d["num_attention_heads"] * d["num_key_value_heads"]
+    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden)]
+    return (layer + [(hidden, inter)]) * d["num_hidden_layers"]
