@@ -47,17 +47,16 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
         return 0
     engine.wake_up(["weights"])
     lost = engine.state.weights is not Weights.RESIDENT  # a level-2 sleep discarded them: all of the trainer's go in
-    merged_before = lora_base_names(model)
+    written = set(base) if lost else lora_base_names(model) & set(base)
     # Straight into the views: vLLM's loader no longer knows the Hugging Face names once LoRA wrapped the layers.
     with engine.writing_weights():
-        for name, param in base.items():
-            if lost or name in merged_before:
-                views[name].rows.copy_(param)
-                if views[name].padding is not None:
-                    views[name].padding.zero_()
+        for name in written:
+            views[name].rows.copy_(base[name])
+            if views[name].padding is not None:
+                views[name].padding.zero_()
     for name, param in base.items():
         rows = views[name].rows
-        if rows.dtype != param.dtype or not torch.equal(rows, param.to(rows.device)):
+        if rows.dtype != param.dtype or (name not in written and not torch.equal(rows, param.to(rows.device))):
             return 0
     engine.pin_weights()
     freed = 0
