@@ -138,7 +138,12 @@ class Config:
             "(lora_merge/retained)."
         },
     )
-    peft_use_dora: bool = field(default=False, metadata={"help": "DoRA adapters (not with lora_merge_aware)."})
+    peft_use_dora: bool = field(
+        default=False,
+        metadata={
+            "help": "DoRA adapters: refused for now, as the engine cannot serve DoRA's magnitude (Axolotl's key)."
+        },
+    )
     load_in_4bit: bool = field(
         default=False,
         metadata={
@@ -548,6 +553,12 @@ def _check_combinations(c: Config) -> None:
                 f"'{key}: true' (it serves the decoder's linear layers): remove them"
                 + ("." if c.load_in_4bit else ", or remove 'trl.vllm_lora_sync' to serve merged weights.")
             )
+    if c.peft_use_dora:
+        raise ConfigError(
+            "'peft_use_dora: true' cannot be served in colocate mode yet: vLLM has no DoRA kernels, and the merged "
+            "sync writes W + s*B@A without DoRA's magnitude, so the engine would sample from another policy than the "
+            "one trained. Remove 'peft_use_dora' (plain LoRA, merge-aware by default)."
+        )
 
 
 def _check_trl_block(trl: dict[str, Any]) -> None:

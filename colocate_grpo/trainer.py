@@ -21,6 +21,7 @@ from typing import Any
 
 import trl.trainer.grpo_trainer as grpo_module
 from accelerate.utils import gather_object
+from peft.tuners.lora import LoraLayer
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 from trl.trainer.utils import add_fused_lm_head
@@ -283,6 +284,11 @@ class ColocateGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 "serve_adapter needs a PEFT LoRA model with ordinary LoRA layers: merge-aware LoRA trains the merged "
                 "weights, which only a merged sync serves."
+            )
+        if any(isinstance(m, LoraLayer) and any(m.use_dora.values()) for m in model.modules()):
+            raise ValueError(
+                "DoRA adapters cannot be served in colocate mode yet: vLLM has no DoRA kernels, and the merged sync "
+                "writes W + s*B@A without DoRA's magnitude. Use plain LoRA."
             )
         lora_rank = _largest_lora_rank(model) if serve_adapter else None
         # TRL's cast makes the head an fp32 copy (with PEFT it fails on tied heads); its fused head alone, added

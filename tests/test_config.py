@@ -49,7 +49,6 @@ def test_defaults_are_a_colocated_sleeping_engine():
         ({}, torch.float16, "fp16"),  # GPUs without bf16 (the T4)
         ({"lora_merge_aware": None}, torch.bfloat16, None),  # PEFT's LoRA when asked for
         ({"lora_merge_aware": "fp16"}, torch.bfloat16, "fp16"),
-        ({"peft_use_dora": True}, torch.bfloat16, None),  # where it does not apply, auto steps aside
         ({"adapter": None}, torch.bfloat16, None),
         ({"trl": {"vllm_lora_sync": True}}, torch.bfloat16, None),  # the engine applies the adapter: no merge
         ({"load_in_4bit": True}, torch.bfloat16, None),  # a 4-bit base: the adapter is served
@@ -88,6 +87,7 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"lora_merge_aware": "bf16", "trl": {"vllm_lora_sync": True}}, ["'trl.vllm_lora_sync: true'"]),
         ({"adapter": None, "trl": {"vllm_lora_sync": True}}, ["full fine-tuning has none", "'adapter: lora'"]),
         ({"peft_use_dora": True, "trl": {"vllm_lora_sync": True}}, ["no DoRA", "'peft_use_dora'"]),
+        ({"peft_use_dora": True}, ["'peft_use_dora: true' cannot be served", "without DoRA's magnitude"]),
         (
             {"lora_target_linear": False, "lora_target_modules": ["lm_head"], "trl": {"vllm_lora_sync": True}},
             ["'lora_target_modules' lists lm_head", "remove them"],

@@ -134,6 +134,15 @@ def test_dora_is_rejected_with_a_clear_message():
         install_merge_aware(model)
 
 
+def test_the_colocated_trainer_refuses_dora_before_its_engine_starts(tmp_path):
+    from trl import GRPOConfig
+
+    from colocate_grpo.trainer import ColocateGRPOTrainer
+
+    with pytest.raises(ValueError, match="DoRA adapters cannot be served"):
+        ColocateGRPOTrainer(peft_model(use_dora=True), [], GRPOConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
 def test_training_moves_the_served_weight():
     model = peft_model()
     install_merge_aware(model)
