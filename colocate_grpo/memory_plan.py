@@ -251,10 +251,10 @@ def plan_memory(
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
-        # A shared base is the engine's copy: the trainer adds only its adapter.
-        trainer_weights = adapter if config.shares_base_weights else weights + adapter
-        states = _TRAINING_COPIES * adapter
-        if config.shares_base_weights and not config.serves_adapter:
+        # LoRA's base is the engine's copy (Config.shares_base_weights): the trainer adds only its adapter, and
+        # merged serving the record that restores the base after each generation.
+        trainer_weights, states = adapter, _TRAINING_COPIES * adapter
+        if not config.serves_adapter:
             record = int(sum(out * in_ for out, in_ in adapted) * _MERGE_RECORD_BYTES_PER_WEIGHT)
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights

@@ -18,11 +18,10 @@ views of the engine's, and the rest follows when the trainer moves the model.
 from __future__ import annotations
 
 import torch
-from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine, Weights
 from colocate_grpo.quantized import share_4bit_base
-from colocate_grpo.sync import frozen_base, hf_name
+from colocate_grpo.sync import frozen_base, merged_names
 
 
 @torch.no_grad()
@@ -47,7 +46,7 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
         return 0
     engine.wake_up(["weights"])
     lost = engine.state.weights is not Weights.RESIDENT  # a level-2 sleep discarded them: all of the trainer's go in
-    written = set(base) if lost else lora_base_names(model) & set(base)
+    written = set(base) if lost else merged_names(model) & set(base)
     # Straight into the views: vLLM's loader no longer knows the Hugging Face names once LoRA wrapped the layers.
     with engine.writing_weights():
         for name in written:
@@ -64,13 +63,6 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
         freed += param.nbytes
         param.data = views[name].rows
     return freed
-
-
-def lora_base_names(model: torch.nn.Module) -> set[str]:
-    """Hugging Face names of the base weights under the model's LoRA layers: those a merged sync writes."""
-    return {
-        hf_name(f"{name}.base_layer.weight") for name, module in model.named_modules() if isinstance(module, LoraLayer)
-    }
 
 
 def shares_base_weights(model: torch.nn.Module, engine: Engine) -> bool:

@@ -116,6 +116,11 @@ def merged_named_weights(
         yield source.name, source.value(stats)
 
 
+def merged_names(model: torch.nn.Module) -> set[str]:
+    """Hugging Face names of the weights a merged sync writes a LoRA layer into: the layers' base weights."""
+    return {source.name for source in _sources(model) if source.layer is not None}
+
+
 def _to_send(sources: list[_Source], include_frozen: bool) -> Iterator[_Source]:
     return (s for s in sources if include_frozen or s.changes_in_training())
 
@@ -163,10 +168,12 @@ class _InPlaceWrites:
         self.capture: _Capture | None = None
 
     def merges_into_the_base(self) -> bool:
-        """Whether some LoRA layer's base weight is the engine's parameter it would be merged into (shared)."""
-        return any(
-            s.layer is not None and s.param.data_ptr() == self.views[s.name].rows.data_ptr() for s in self.sources
-        )
+        """Whether the LoRA layers' base weights are the engine's parameters they would be merged into (shared).
+
+        Sharing is all or nothing (:func:`colocate_grpo.shared_base.share_base_weights`): the first layer tells.
+        """
+        first = next((s for s in self.sources if s.layer is not None), None)
+        return first is not None and first.param.data_ptr() == self.views[first.name].rows.data_ptr()
 
     def _adapters_key(self) -> tuple:
         """Which LoRA factors the model reads now, at which addresses, and with which scalings."""
@@ -288,11 +295,6 @@ class MergedInPlace:
         """``base``'s values before its merge (``base`` itself where it was not merged)."""
         record = self.records.get(base.data_ptr())
         return base if record is None else record.original()
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes the records hold (about one per merged weight)."""
-        return sum(record.nbytes for record in self.records.values())
 
     @property
     def outlier_fraction(self) -> float:
