@@ -12,15 +12,16 @@
 #   bash bench/gpu.sh dp 1.5B 1 2 4       the user's config on 1, 2 and 4 GPUs of this host (bench/data_parallel.py)
 #   bash bench/gpu.sh kernel              merge-kernel tiles and warps at both shapes (bench/merge_kernel_variants.py)
 #   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
+#   bash bench/gpu.sh writes              ways to write the LoRA factors into vLLM's buffers (bench/adapter_write_variants.py)
 #   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
 #   bash bench/gpu.sh memory              create/train/release cycles (tests/test_memory.py), 200 steps of the
 #                                         default job (bench/memory_growth.py)
 # The random-weight 1.5B and 7B models are built once, in $MODELS (default /tmp/sync_vs_trl_models).
 set -u
 case ${1:-} in
-tests | kernel | copies | lora | memory) ;;
-bench | push | generate | frontier | dp) [ $# -ge 2 ] || { sed -n '2,18p' "$0"; exit 2; } ;;
-*) sed -n '2,18p' "$0"; exit 2 ;;
+tests | kernel | copies | writes | lora | memory) ;;
+bench | push | generate | frontier | dp) [ $# -ge 2 ] || { sed -n '2,19p' "$0"; exit 2; } ;;
+*) sed -n '2,19p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -106,6 +107,10 @@ kernel)
 copies)
   python3 bench/frozen_copies.py > "$out/frozen_copies.txt" 2>&1
   cat "$out/frozen_copies.txt"
+  ;;
+writes)
+  python3 bench/adapter_write_variants.py > "$out/adapter_write_variants.txt" 2>&1
+  cat "$out/adapter_write_variants.txt"
   ;;
 lora)
   python3 bench/lora_speed.py --out "$out/lora_speed.json" > "$out/lora_speed.txt" 2>&1

@@ -180,7 +180,7 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     asynchronously), the check of the graph's addresses before a replay, its key (read during the
     replay) and the key's reads of the LoRA layers, the prefix-cache reset,
     and the phase clock's reads and waits (a wait there is where the device finishes the push). With the
-    adapter served: its push's wall time, the addresses' check and the key, read while the device writes.
+    adapter served: its push's wall time and the key, read while the device writes.
     With merged serving on the shared base: the restore of the base after each generation (launches)."""
     from colocate_grpo import adapters, sync, trainer
     from colocate_grpo.engine import Engine
@@ -194,8 +194,7 @@ def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
     PhaseClock._allocator_stats = _timed_part(phases, totals, "clock_stats", PhaseClock._allocator_stats)
     PhaseClock._synchronize = _timed_part(phases, totals, "clock_wait", PhaseClock._synchronize)
     trainer.push_adapter = _timed_part(phases, totals, "adapter_push", trainer.push_adapter)
-    writes, capture = adapters.AdapterWrites, adapters._Capture
-    capture.reads_same_memory = _timed_part(phases, totals, "adapter_addresses", capture.reads_same_memory)
+    writes = adapters.AdapterWrites
     writes._factors_key = _timed_part(phases, totals, "adapter_key", writes._factors_key)
     sync.MergedInPlace.restore = _timed_part(phases, totals, "restore", sync.MergedInPlace.restore)
 

@@ -4,13 +4,14 @@ The engine loads the adapter once (``Engine.load_adapter``) and keeps it pinned 
 slot. Each sync then writes the trainer's factors straight into vLLM's LoRA buffers: A as it is,
 B times the layer's scaling (vLLM's layout), both cast to the engine's dtype. No file, no load
 request, no merge: the base weights the engine holds are never changed by a sync. On GPUs the
-write, a few hundred small copies, is replayed as one CUDA graph.
+write, a few hundred small copies with a cast, is one kernel launch (``kernels.ScaledCopies``).
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -19,18 +20,8 @@ from colocate_grpo.engine import Engine
 from colocate_grpo.lora import lora_factors
 from colocate_grpo.sync import hf_name
 
-
-@dataclass(frozen=True)
-class _Capture:
-    """A captured CUDA graph of the write, the factors it was captured for, and the tensors it reads then."""
-
-    graph: torch.cuda.CUDAGraph
-    key: tuple  # AdapterWrites._factors_key() at the capture
-    reads: list[torch.Tensor]
-    addresses: list[int]
-
-    def reads_same_memory(self) -> bool:
-        return list(map(torch.Tensor.data_ptr, self.reads)) == self.addresses
+if TYPE_CHECKING:
+    from colocate_grpo.kernels import ScaledCopies
 
 
 @dataclass(frozen=True)
@@ -46,12 +37,12 @@ class _FactorViews:
 class AdapterWrites:
     """Writing one trainer model's LoRA factors into one engine's LoRA buffers.
 
-    On GPUs the write (two fused copies with a cast and a scaling, which PyTorch runs as one kernel
-    per tensor: some 600 launches at 1.5B) is captured once after an eager write and then replayed:
-    the optimizer updates the factors in place, and vLLM's buffers stay at their addresses through
-    its sleeps. Which factors each layer uses (PEFT's active adapter, its scaling) is read while the
-    device replays; where it changed, or a factor moved, the write runs eagerly and is captured again.
-    A stale replay only writes values that this eager write then overwrites.
+    On GPUs the write is one kernel launch from a table of the factors' and buffers' addresses (PyTorch
+    runs the same list with its cast and scaling as some 600 kernels at 7B): the optimizer updates the
+    factors in place, and vLLM's buffers stay at their addresses through its sleeps. Which factors each
+    layer uses (PEFT's active adapter, its scaling) is read while the device writes; where it changed,
+    or a factor moved, the table is built again and the write launched again. A stale launch only
+    writes values that the next one overwrites (the table holds the tensors it reads: never freed memory).
 
     Raises:
         ValueError: when a trainer LoRA layer has no place in the engine (vLLM serves no LoRA on that
@@ -68,7 +59,8 @@ class AdapterWrites:
         packed = getattr(engine.model, "packed_modules_mapping", None) or {}
         self.views: list[_FactorViews] = []
         self.buffers: list[torch.Tensor] = []  # every LoRA buffer of the engine, all slots
-        self.capture: _Capture | None = None
+        self.copies: ScaledCopies | None = None  # the GPU's write, and the key of the factors it reads
+        self.copies_key: tuple | None = None
         # The engine's slot may hold another trainer's adapter (a reused engine), with slices this one leaves out.
         self.cleared = False
         for module_name, module in engine_layers.items():
@@ -118,20 +110,16 @@ class AdapterWrites:
         if clear or not self.cleared:
             torch._foreach_zero_(self.buffers)
             self.cleared = True
-        if self.capture is not None and self.capture.reads_same_memory():
-            self.capture.graph.replay()
-            if self._factors_key() == self.capture.key:  # read while the device writes
+        if self.copies is not None:
+            self.copies()
+            if self._factors_key() == self.copies_key:  # read while the device writes
                 return
         factors = self._factors()
-        self._write(factors)
-        if not self.views or not self.views[0].a.is_cuda:
-            return
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        self.copies, self.copies_key = self._scaled_copies(factors), _key(factors)
+        if self.copies is None:
             self._write(factors)
-        reads = [t for f in factors for t in f[:2]]
-        # Only a completed capture is ever replayed.
-        self.capture = _Capture(graph, _key(factors), reads, list(map(torch.Tensor.data_ptr, reads)))
+        else:
+            self.copies()
 
     def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         factors = [lora_factors(view.layer) for view in self.views]
@@ -142,6 +130,23 @@ class AdapterWrites:
     def _factors_key(self) -> tuple:
         """Which factors each layer uses now, at which addresses, with which scaling."""
         return _key([lora_factors(view.layer) for view in self.views])
+
+    def _scaled_copies(self, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> ScaledCopies | None:
+        """The write as one kernel, where the device and layouts allow it (CUDA, contiguous, one dtype per side)."""
+        targets = [v.a for v in self.views] + [v.b for v in self.views]
+        sources = [f[0] for f in factors] + [f[1] for f in factors]
+        scales = [1.0] * len(factors) + [f[2] for f in factors]
+        if (
+            not sources
+            or not sources[0].is_cuda
+            or len({t.dtype for t in sources}) > 1
+            or len({t.dtype for t in targets}) > 1
+            or not all(t.is_contiguous() for t in targets + sources)
+        ):
+            return None
+        from colocate_grpo.kernels import ScaledCopies
+
+        return ScaledCopies(targets, sources, scales)
 
     def _write(self, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         torch._foreach_copy_([v.a for v in self.views], [f[0] for f in factors])
@@ -193,5 +198,5 @@ def served_adapter_mismatches(model: torch.nn.Module, engine: Engine) -> list[st
 
 
 def _key(factors: list) -> tuple:
-    """Each layer's factors (A, B, scaling, or None) by address and scaling: what a captured write depends on."""
+    """Each layer's factors (A, B, scaling, or None) by address and scaling: what the GPU's write depends on."""
     return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)

@@ -92,3 +92,63 @@ def copy_by_kernel(target: torch.Tensor, source: torch.Tensor) -> None:
     n = source.numel()
     block = 1024
     _copy_kernel[(triton.cdiv(n, block),)](source, target, n, BLOCK=block)
+
+
+@triton.jit
+def _scaled_copies_kernel(
+    sources, targets, numels, scales, block_tensor, block_start, source_like, target_like, BLOCK: tl.constexpr
+):
+    block = tl.program_id(0)
+    tensor = tl.load(block_tensor + block)
+    offsets = tl.load(block_start + block) + tl.arange(0, BLOCK)
+    mask = offsets < tl.load(numels + tensor)
+    source = tl.load(sources + tensor).to(tl.pointer_type(source_like.dtype.element_ty))
+    target = tl.load(targets + tensor).to(tl.pointer_type(target_like.dtype.element_ty))
+    values = tl.load(source + offsets, mask=mask).to(tl.float32) * tl.load(scales + tensor)
+    tl.store(target + offsets, values.to(target_like.dtype.element_ty), mask=mask)
+
+
+class ScaledCopies:
+    """``targets[i].copy_(sources[i] * scales[i])`` for many small CUDA tensors in one kernel launch.
+
+    PyTorch runs such a list as one kernel per tensor where a cast is involved: writing a 7B model's
+    LoRA factors (196 layers) took some 600 launches, about 1 ms of device time even replayed as a
+    CUDA graph. Here each of the kernel's blocks reads its tensor's addresses from a table built once.
+    The product is taken in fp32 and rounded to the target's dtype to nearest even, as PyTorch's
+    ``(source * scale).to(dtype)`` of an fp32 source does, so the two write the same bits.
+
+    Holds the tensors: their memory stays valid for every later launch. All sources must share one dtype,
+    all targets another; every tensor contiguous, each target the shape of its source.
+    """
+
+    BLOCK = 4096
+
+    def __init__(self, targets: list[torch.Tensor], sources: list[torch.Tensor], scales: list[float]) -> None:
+        if not all(t.is_contiguous() and s.is_contiguous() for t, s in zip(targets, sources, strict=True)):
+            raise ValueError("ScaledCopies needs contiguous tensors.")
+        self.targets, self.sources = targets, sources
+        device = sources[0].device
+        numels = [s.numel() for s in sources]
+        blocks = [triton.cdiv(n, self.BLOCK) for n in numels]
+        self.numels = torch.tensor(numels, dtype=torch.int64, device=device)
+        self.scales = torch.tensor(scales, dtype=torch.float32, device=device)
+        self.source_addresses = torch.tensor([s.data_ptr() for s in sources], dtype=torch.int64, device=device)
+        self.target_addresses = torch.tensor([t.data_ptr() for t in targets], dtype=torch.int64, device=device)
+        self.block_tensor = torch.repeat_interleave(
+            torch.arange(len(sources), dtype=torch.int32), torch.tensor(blocks)
+        ).to(device)
+        self.block_start = torch.cat([torch.arange(b, dtype=torch.int64) * self.BLOCK for b in blocks]).to(device)
+
+    def __call__(self) -> None:
+        """Launch the copies on the current stream (asynchronous)."""
+        _scaled_copies_kernel[(self.block_tensor.numel(),)](
+            self.source_addresses,
+            self.target_addresses,
+            self.numels,
+            self.scales,
+            self.block_tensor,
+            self.block_start,
+            self.sources[0],
+            self.targets[0],
+            BLOCK=self.BLOCK,
+        )
