@@ -176,26 +176,23 @@ def time_gc_pauses(phases: list[str], totals: dict[str, float]) -> None:
 
 
 def time_sync_parts(phases: list[str], totals: dict[str, float]) -> None:
-    """Time the Python of colocate_grpo's sync: the push (launches only: the graph replays
-    asynchronously), the check of the graph's addresses before a replay, its key (read during the
-    replay) and the key's reads of the LoRA layers, the prefix-cache reset,
-    and the phase clock's reads and waits (a wait there is where the device finishes the push). With the
-    adapter served: its push's wall time and the key, read while the device writes.
-    With merged serving on the shared base: the restore of the base after each generation (launches)."""
-    from colocate_grpo import adapters, sync, trainer
+    """Time the Python of colocate_grpo's sync: the push (launches only: the writes run
+    asynchronously), the check of the graph's addresses before a replay, the LoRA factors' key (read
+    while the device writes, served merged or as the adapter), the prefix-cache reset, and the phase
+    clock's reads and waits (a wait there is where the device finishes the push). With the adapter
+    served: its push's wall time. With merged serving on the shared base: the restore of the base
+    after each generation (launches)."""
+    from colocate_grpo import sync, trainer
     from colocate_grpo.engine import Engine
     from colocate_grpo.metrics import PhaseClock
 
     trainer.push_weights = _timed_part(phases, totals, "push", trainer.push_weights)
     sync._Capture.reads_same_memory = _timed_part(phases, totals, "addresses", sync._Capture.reads_same_memory)
-    sync._InPlaceWrites._adapters_key = _timed_part(phases, totals, "key", sync._InPlaceWrites._adapters_key)
-    sync.lora_factors = _timed_part(phases, totals, "key_lora_factors", sync.lora_factors)  # the key's PEFT half
+    sync.FactorsKey.changed = _timed_part(phases, totals, "key", sync.FactorsKey.changed)
     Engine.reset_prefix_cache = _timed_part(phases, totals, "prefix_reset", Engine.reset_prefix_cache)
     PhaseClock._allocator_stats = _timed_part(phases, totals, "clock_stats", PhaseClock._allocator_stats)
     PhaseClock._synchronize = _timed_part(phases, totals, "clock_wait", PhaseClock._synchronize)
     trainer.push_adapter = _timed_part(phases, totals, "adapter_push", trainer.push_adapter)
-    writes = adapters.AdapterWrites
-    writes._factors_key = _timed_part(phases, totals, "adapter_key", writes._factors_key)
     sync.MergedInPlace.restore = _timed_part(phases, totals, "restore", sync.MergedInPlace.restore)
 
 

@@ -17,7 +17,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine
-from colocate_grpo.lora import lora_factors
+from colocate_grpo.lora import FactorsKey, lora_factors
 from colocate_grpo.sync import hf_name
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class AdapterWrites:
         self.views: list[_FactorViews] = []
         self.buffers: list[torch.Tensor] = []  # every LoRA buffer of the engine, all slots
         self.copies: ScaledCopies | None = None  # the GPU's write, and the key of the factors it reads
-        self.copies_key: tuple | None = None
+        self.copies_key: FactorsKey | None = None
         # The engine's slot may hold another trainer's adapter (a reused engine), with slices this one leaves out.
         self.cleared = False
         for module_name, module in engine_layers.items():
@@ -112,24 +112,21 @@ class AdapterWrites:
             self.cleared = True
         if self.copies is not None:
             self.copies()
-            if self._factors_key() == self.copies_key:  # read while the device writes
+            if not self.copies_key.changed():  # read while the device writes
                 return
         factors = self._factors()
-        self.copies, self.copies_key = self._scaled_copies(factors), _key(factors)
+        self.copies = self._scaled_copies(factors)
         if self.copies is None:
             self._write(factors)
-        else:
-            self.copies()
+            return
+        self.copies_key = FactorsKey([view.layer for view in self.views])
+        self.copies()
 
     def _factors(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
         factors = [lora_factors(view.layer) for view in self.views]
         if any(f is None for f in factors):
             raise ValueError("An adapter was disabled or merged since the engine loaded it; cannot serve it.")
         return factors
-
-    def _factors_key(self) -> tuple:
-        """Which factors each layer uses now, at which addresses, with which scaling."""
-        return _key([lora_factors(view.layer) for view in self.views])
 
     def _scaled_copies(self, factors: list[tuple[torch.Tensor, torch.Tensor, float]]) -> ScaledCopies | None:
         """The write as one kernel, where the device and layouts allow it (CUDA, contiguous, one dtype per side)."""
@@ -195,8 +192,3 @@ def served_adapter_mismatches(model: torch.nn.Module, engine: Engine) -> list[st
         if not (torch.equal(view.a, a.to(view.a.device)) and torch.equal(view.b, b.to(view.b.device))):
             mismatches.append(name)
     return mismatches
-
-
-def _key(factors: list) -> tuple:
-    """Each layer's factors (A, B, scaling, or None) by address and scaling: what the GPU's write depends on."""
-    return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)

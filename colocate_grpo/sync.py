@@ -20,7 +20,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine, ParameterView, Weights
-from colocate_grpo.lora import Overwritten, RetainedUpdate, lora_factors, merged_weight, overwrite
+from colocate_grpo.lora import FactorsKey, Overwritten, RetainedUpdate, lora_factors, merged_weight, overwrite
 
 
 def hf_name(peft_name: str) -> str:
@@ -136,7 +136,7 @@ class _Capture:
 
     graph: torch.cuda.CUDAGraph
     include_frozen: bool
-    adapters: tuple  # _InPlaceWrites._adapters_key() at the capture
+    adapters: FactorsKey  # the LoRA factors at the capture
     reads: list[torch.Tensor]
     addresses: list[int]
 
@@ -175,11 +175,6 @@ class _InPlaceWrites:
         first = next((s for s in self.sources if s.layer is not None), None)
         return first is not None and first.param.data_ptr() == self.views[first.name].rows.data_ptr()
 
-    def _adapters_key(self) -> tuple:
-        """Which LoRA factors the model reads now, at which addresses, and with which scalings."""
-        factors = [lora_factors(layer) for layer in self.layers]
-        return tuple(None if f is None else (f[0].data_ptr(), f[1].data_ptr(), f[2]) for f in factors)
-
     def _reads(self) -> list[torch.Tensor]:
         """Every tensor a write reads: the trainer's parameters and the active LoRA factors."""
         factors = [lora_factors(layer) for layer in self.layers]
@@ -208,11 +203,9 @@ class _InPlaceWrites:
             self.capture.graph.replay()
             # The replay read the captured tensors; whether they are still the model's adapters is read
             # while the device writes (the trainer's parameters were among the addresses just checked).
-            adapters = self._adapters_key()
-            if adapters == self.capture.adapters:
+            if not self.capture.adapters.changed():
                 return
-        else:
-            adapters = self._adapters_key()
+        adapters = FactorsKey(self.layers)
         self._write(include_frozen, None)  # also compiles the merge kernel before its capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):

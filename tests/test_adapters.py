@@ -79,6 +79,17 @@ def test_every_sync_writes_the_trainers_factors_bitwise(tmp_path, base_weights):
         assert torch.equal(a_buffer[:rank], q.lora_A["default"].weight.to(a_buffer.dtype))
         assert torch.equal(b_buffer[:, :rank], (q.lora_B["default"].weight * q.scaling["default"]).to(b_buffer.dtype))
         assert not a_buffer[rank:].any() and not b_buffer[:, rank:].any()  # rank padding stays zero
+        # On GPUs the write is launched before the factors' state is read: every change must still be served.
+        lora_B, scaling = q.lora_B["default"].weight, q.scaling["default"]
+        changes = {
+            "new memory for a factor": lambda: setattr(lora_B, "data", lora_B.data + 1e-2),
+            "a new scaling": lambda: q.scaling.__setitem__("default", 2 * scaling),
+        }
+        for change, make in changes.items():
+            make()
+            engine.sleep()
+            generation.sync_weights()
+            assert served_adapter_mismatches(trainer.model, engine) == [], change
     finally:
         trainer.engine.sleep()
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 from colocate_grpo.lora import (
+    FactorsKey,
     MergeAwareLoraLinear,
     RetainedUpdate,
     install_merge_aware,
@@ -102,6 +103,40 @@ def test_several_active_adapters_are_refused():
     model.base_model.set_adapter(["default", "second"])
     with pytest.raises(ValueError, match="Several LoRA adapters are active"):
         lora_factors(model.base_model.model.up)
+
+
+def lora_layers(model):
+    return [model.base_model.model.up, model.base_model.model.down]
+
+
+def test_factors_key_is_unchanged_by_training_and_changed_by_whatever_changes_the_factors():
+    model = peft_model()
+    model.add_adapter("second", LoraConfig(r=4, target_modules=["up", "down"]))
+    key = FactorsKey(lora_layers(model))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)  # an optimizer step: in place
+    assert not key.changed()
+    up = model.base_model.model.up
+
+    def changes(change, undo=None) -> bool:
+        before = FactorsKey(lora_layers(model))
+        change()
+        changed = before.changed()
+        if undo is not None:
+            undo()
+            assert not before.changed()
+        return changed
+
+    assert changes(lambda: model.base_model.set_adapter("second"), lambda: model.base_model.set_adapter("default"))
+    assert changes(model.base_model.disable_adapter_layers, model.base_model.enable_adapter_layers)
+    assert changes(lambda: up.set_scale("default", 2.0), lambda: up.set_scale("default", 1.0))
+    assert changes(lambda: up.merge(), lambda: up.unmerge())
+    weight = up.lora_A["default"].weight
+    assert changes(lambda: setattr(weight, "data", weight.data.clone()))  # new memory
+    assert changes(lambda: model.add_adapter("third", LoraConfig(r=4, target_modules=["up"])))
+    assert changes(lambda: model.delete_adapter("third"))
+    assert changes(lambda: model.delete_adapter("default"))  # the active adapter gone
 
 
 def test_merge_aware_layer_matches_its_merged_weight_and_respects_disable_adapters():
