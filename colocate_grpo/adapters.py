@@ -37,12 +37,12 @@ class _FactorViews:
 class AdapterWrites:
     """Writing one trainer model's LoRA factors into one engine's LoRA buffers.
 
-    On GPUs the write is one kernel launch from a table of the factors' and buffers' addresses (PyTorch
-    runs the same list with its cast and scaling as some 600 kernels at 7B): the optimizer updates the
-    factors in place, and vLLM's buffers stay at their addresses through its sleeps. Which factors each
-    layer uses (PEFT's active adapter, its scaling) is read while the device writes; where it changed,
-    or a factor moved, the table is built again and the write launched again. A stale launch only
-    writes values that the next one overwrites (the table holds the tensors it reads: never freed memory).
+    On GPUs the write is one kernel launch from a table of the factors' and buffers' addresses
+    (``kernels.ScaledCopies``): the optimizer updates the factors in place, and vLLM's buffers stay at
+    their addresses through its sleeps. Which factors each layer uses (PEFT's active adapter, its
+    scaling) is read while the device writes; where it changed, or a factor moved, the table is built
+    again and the write launched again. A stale launch only writes values that the next one overwrites
+    (the table holds the tensors it reads: never freed memory).
 
     Raises:
         ValueError: when a trainer LoRA layer has no place in the engine (vLLM serves no LoRA on that

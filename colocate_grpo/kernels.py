@@ -111,9 +111,10 @@ def _scaled_copies_kernel(
 class ScaledCopies:
     """``targets[i].copy_(sources[i] * scales[i])`` for many small CUDA tensors in one kernel launch.
 
-    PyTorch runs such a list as one kernel per tensor where a cast is involved: writing a 7B model's
-    LoRA factors (196 layers) took some 600 launches, about 1 ms of device time even replayed as a
-    CUDA graph. Here each of the kernel's blocks reads its tensor's addresses from a table built once.
+    Each of the kernel's blocks reads its tensor's addresses from a table built once. On the H200, a
+    7B model's LoRA factors (392 tensors) took 0.09 ms this way, against 0.25 ms for PyTorch's
+    ``_foreach_mul`` and ``_foreach_copy_`` (12 kernels, replayed as a CUDA graph) and 1.2 ms for a
+    copy per tensor (bench/adapter_write_variants.py); one launch needs no graph.
     The product is taken in fp32 and rounded to the target's dtype to nearest even, as PyTorch's
     ``(source * scale).to(dtype)`` of an fp32 source does, so the two write the same bits.
 
