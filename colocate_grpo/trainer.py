@@ -24,11 +24,11 @@ from accelerate.utils import gather_object
 from peft.tuners.lora import LoraLayer
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
-from trl.trainer.utils import add_fused_lm_head
 
 from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine, Weights, engine_lora_rank, shared_engine
+from colocate_grpo.head import add_fp32_head
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
 from colocate_grpo.memory_plan import MIN_NUM_SEQS
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
@@ -255,9 +255,10 @@ class ColocateGRPOTrainer(GRPOTrainer):
     their layouts line up: the device holds one copy, and the engine's KV cache sleeps alone.
 
     ``args.cast_lm_head_to_fp32`` computes the logits in fp32 on both sides: the engine with vLLM's
-    fp32 head, the trainer with TRL's fused head in fp32. Both read the head's weights in the
-    model's dtype: the trainer's head is not cast to an fp32 copy, so tied heads work too, and the
-    sync sends what the engine already computes with.
+    fp32 head, the trainer with TRL's fused head in fp32 (its GEMMs on TF32 cores, exact for bf16
+    inputs: :mod:`colocate_grpo.head`). Both read the head's weights in the model's dtype: the
+    trainer's head is not cast to an fp32 copy, so tied heads work too, and the sync sends what the
+    engine already computes with.
     """
 
     def __init__(
@@ -340,14 +341,13 @@ class ColocateGRPOTrainer(GRPOTrainer):
             args.cast_lm_head_to_fp32 = fp32_head
         if fp32_head:
             # TRL's fused head, again, in fp32: it wraps the one TRL added, which other calls still reach.
-            add_fused_lm_head(
+            add_fp32_head(
                 self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
                 temperature=self.temperature,
-                cast_lm_head_to_fp32=True,
                 outputs=("log_probs", "entropy"),
             )
             if self.ref_model is not None:
-                add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=True)
+                add_fp32_head(self.ref_model, temperature=self.temperature)
         if not shared_base_bytes:  # a reused engine may have been pinned for a trainer that shared its weights
             self.engine.unpin_weights()
         self.vllm_generation.merge_check = MergeCheck(
