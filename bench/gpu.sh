@@ -14,14 +14,16 @@
 #   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
 #   bash bench/gpu.sh writes              ways to write the LoRA factors into vLLM's buffers (bench/adapter_write_variants.py)
 #   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
+#   bash bench/gpu.sh head                the trainer's head: bf16, fp32, fp32 on TF32 cores (bench/fp32_head_speed.py)
+#   bash bench/gpu.sh step 7B user        the kernels of one profiled optimizer step of a kind (bench/profile_step.py)
 #   bash bench/gpu.sh memory              create/train/release cycles (tests/test_memory.py), 200 steps of the
 #                                         default job (bench/memory_growth.py)
 # The random-weight 1.5B and 7B models are built once, in $MODELS (default /tmp/sync_vs_trl_models).
 set -u
 case ${1:-} in
-tests | kernel | copies | writes | lora | memory) ;;
-bench | push | generate | frontier | dp) [ $# -ge 2 ] || { sed -n '2,19p' "$0"; exit 2; } ;;
-*) sed -n '2,19p' "$0"; exit 2 ;;
+tests | kernel | copies | writes | lora | head | memory) ;;
+bench | push | generate | frontier | dp | step) [ $# -ge 2 ] || { sed -n '2,21p' "$0"; exit 2; } ;;
+*) sed -n '2,21p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -111,6 +113,15 @@ copies)
 writes)
   python3 bench/adapter_write_variants.py > "$out/adapter_write_variants.txt" 2>&1
   cat "$out/adapter_write_variants.txt"
+  ;;
+head)
+  python3 bench/fp32_head_speed.py > "$out/fp32_head_speed.txt" 2>&1
+  grep -a -E "^\|" "$out/fp32_head_speed.txt"
+  ;;
+step)
+  name=$(fresh "profile_step_$2_${3:-user}")
+  python3 bench/profile_step.py --shape "$2" --kind "${3:-user}" --models "$models" > "$out/$name.txt" 2>&1
+  grep -a -A25 "micro-batch" "$out/$name.txt"
   ;;
 lora)
   python3 bench/lora_speed.py --out "$out/lora_speed.json" > "$out/lora_speed.txt" 2>&1
