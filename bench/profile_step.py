@@ -30,13 +30,15 @@ def main() -> None:
     parser.add_argument("--shape", default="7B")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
-    parser.add_argument("--top", type=int, default=25, help="kernels to print")
+    parser.add_argument("--top", type=int, default=25, help="kernels (and host operators) to print")
+    parser.add_argument("--host", action="store_true", help="also profile the host: operators by their own CPU time")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     micro_batches = sync_vs_trl.GENERATION_BATCH // args.micro_batch
     training_step = ColocateGRPOTrainer.training_step
     calls = 0
-    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.host
+    profile = torch.profiler.profile(activities=activities)
     start = 0.0
 
     def profiled_step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -56,15 +58,21 @@ def main() -> None:
 
     ColocateGRPOTrainer.training_step = profiled_step
     model_path = sync_vs_trl.build_model(args.shape, Path(args.models) / args.shape)
-    sync_vs_trl.run_one(args.kind, model_path, STEPS, tiny=False, micro_batch=args.micro_batch)
+    result = sync_vs_trl.run_one(args.kind, model_path, STEPS, tiny=False, micro_batch=args.micro_batch)
+    print("step s (the last profiled):", ", ".join(f"{step['step_s']:.3f}" for step in result["steps"]))
 
 
 def report(args: argparse.Namespace, wall_s: float, averages: list) -> None:  # noqa: ANN001
     kernel_ms = sum(event.device_time_total for event in averages) / 1e3
     print(f"{args.kind} {args.shape}, micro-batch {args.micro_batch}, step {STEPS}: wall {wall_s:.3f} s, ", end="")
     print(f"kernels {kernel_ms / 1e3:.3f} s")
-    for event in sorted(averages, key=lambda e: e.device_time_total, reverse=True)[: args.top]:
+    kernels = [event for event in averages if event.device_time_total > 0]
+    for event in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[: args.top]:
         print(f"  {event.device_time_total / 1e3:9.2f} ms x{event.count:<5d} {event.key[:120]}", flush=True)
+    if args.host:
+        print("host operators by their own CPU time:")
+        for event in sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]:
+            print(f"  {event.self_cpu_time_total / 1e3:9.2f} ms x{event.count:<5d} {event.key[:120]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ _LORA_ITEMSIZE = 4
 # A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer
 # computes with the same). Embeddings, head and norms stay in the model's dtype.
 _NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
+# TRL's fused head scores a micro-batch's completion tokens in tiles of this many tokens and vocabulary entries
+# (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
+_HEAD_TILE_TOKENS, _HEAD_TILE_VOCAB = 4096, 32768
 # Merged serving on a shared base records what each merge overwrote (colocate_grpo.lora.overwrite): a byte per merged
 # weight, and 10 for each weight whose change needs more. Room for 2% of them, where a long run's are far fewer.
 _MERGE_RECORD_BYTES_PER_WEIGHT = 1 + 0.02 * 10
@@ -289,7 +292,7 @@ def training_activation_bytes(
 
     Per token and layer, a decoder layer keeps about 12 hidden-sized and 3 intermediate-sized
     tensors for its backward (gradient checkpointing: one hidden-sized tensor, plus one layer's
-    worth recomputed). The completion's logits add their fp32 log-softmax.
+    worth recomputed). The head adds its working memory (:func:`head_bytes`).
     """
     tokens = config.micro_batch_size * config.sequence_tokens(longest_prompt)
     per_layer = (12 * shape.hidden_size + 3 * shape.intermediate_size) * dtype.itemsize
@@ -297,8 +300,24 @@ def training_activation_bytes(
         layers = tokens * (shape.layers * shape.hidden_size * dtype.itemsize + per_layer)
     else:
         layers = tokens * shape.layers * per_layer
-    logits = config.micro_batch_size * config.max_completion_length * shape.vocab_size * (dtype.itemsize + 4)
-    return layers + logits
+    return layers + head_bytes(config, shape, dtype)
+
+
+def head_bytes(config: Config, shape: ModelShape, dtype: torch.dtype) -> int:
+    """The trainer's head's working memory for one micro-batch, in bytes.
+
+    TRL's fused head never holds the completion's logits: it scores them a tile at a time
+    (``_HEAD_TILE_TOKENS`` x ``_HEAD_TILE_VOCAB``), in the model's dtype. The fp32 head
+    (``trl.cast_lm_head_to_fp32``, :mod:`colocate_grpo.head`) computes its tile in fp32 from an
+    fp32 copy of one vocabulary tile of the head's weights, and keeps the completion's hidden
+    states and their gradient in fp32.
+    """
+    completion = config.micro_batch_size * config.max_completion_length
+    vocab_tile = min(shape.vocab_size, _HEAD_TILE_VOCAB)
+    if not config.trl.get("cast_lm_head_to_fp32"):
+        return min(completion, _HEAD_TILE_TOKENS) * vocab_tile * dtype.itemsize
+    tile = min(completion, _HEAD_TILE_TOKENS) * vocab_tile * 4
+    return tile + vocab_tile * shape.hidden_size * 4 + 2 * completion * shape.hidden_size * 4
 
 
 def refusal(plan: MemoryPlan, config: Config) -> str:

@@ -119,3 +119,17 @@ def test_the_refusal_offers_the_shared_base_and_a_4bit_base():
     config = load_config({})
     message = refusal(plan_memory(config, SHAPE, torch.bfloat16, free=6 * GIB, total=6 * GIB), config)
     assert "'trl.vllm_lora_sync: true'" in message and "'load_in_4bit: true'" in message
+
+
+def test_the_fp32_head_adds_its_working_memory_to_the_activations():
+    raw = {"micro_batch_size": 8, "trl": {"max_completion_length": 256}}
+    bf16 = plan_memory(load_config(raw), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    raw["trl"]["cast_lm_head_to_fp32"] = True
+    fp32 = plan_memory(load_config(raw), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    completion = 8 * 256  # TRL's fused head scores the completion tokens, 32768 vocabulary entries at a time
+    bf16_tile = completion * 32768 * 2
+    fp32_tile = completion * 32768 * 4
+    head_tile_copy = 32768 * 1536 * 4  # one vocabulary tile of the head's weights in fp32
+    hidden_and_gradient = 2 * completion * 1536 * 4
+    assert fp32.activations - bf16.activations == fp32_tile + head_tile_copy + hidden_and_gradient - bf16_tile
+    assert fp32.generation_peak == bf16.generation_peak  # the engine's fp32 logits are in its runtime margin
