@@ -302,6 +302,7 @@ def run_one(
     from trl import GRPOConfig, GRPOTrainer
 
     from colocate_grpo.config import VLLMConfig
+    from colocate_grpo.metrics import first_and_last_tenth
     from colocate_grpo.trainer import ColocateGRPOTrainer
 
     cuda = torch.cuda.is_available()
@@ -535,6 +536,8 @@ def run_one(
         "card_used_gib": max(peaks.values()) - (device_total / 2**30 - card_gib) if card_gib else None,
         "trainer_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "logp_diff": statistics.mean(s["logp_diff"] for s in step_log if "logp_diff" in s),
+        # Whether the mismatch grows as training moves the weights (the run summary's test: by more than 10%).
+        "logp_diff_tenths": first_and_last_tenth([s["logp_diff"] for s in step_log if "logp_diff" in s]),
         "base_drift_max": max(float(d.max()) for d in drift),
         "base_drift_fraction": sum(int((d > 0).sum()) for d in drift) / sum(d.numel() for d in drift),
     }
@@ -624,6 +627,14 @@ def table(results: list[dict]) -> str:
         peaks = " ".join(f"{p}={v:.1f}" for p, v in r["peak_device_gib"].items())
         lines.append(f"| {r['shape']} | {r['kind']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + f" | {peaks} |")
     lines.append("")
+    for r in results:
+        if r.get("logp_diff_tenths"):
+            first, last = r["logp_diff_tenths"]
+            trend = "grew" if last > 1.1 * first else "did not grow"
+            lines.append(
+                f"{r['shape']} {r['kind']}: logp diff first tenth {first:.5f}, last tenth {last:.5f} over "
+                f"{len(r['steps'])} steps ({trend} by more than 10%)"
+            )
     for r in results:
         if r.get("parts_s"):
             parts = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in r["parts_s"].items())
