@@ -73,6 +73,7 @@ def run(ranks: int, model_path: str, steps: int, directory: Path) -> dict:
         "step_s": step,
         "samples_per_s": ranks * GENERATION_BATCH / step,
         "served_equals_trained": min(checks) if checks else None,
+        "checks": len(checks),
         "peak_device_gib": max(peaks, default=None),
     }
 
@@ -86,10 +87,9 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r['ranks']} | failed | | | | |")
             continue
         scale = f"{r['samples_per_s'] / one['samples_per_s']:.2f}x" if one else ""
-        lines.append(
-            f"| {r['ranks']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {scale} | {r['served_equals_trained']} "
-            f"| {r['peak_device_gib']} |"
-        )
+        served = f"{r['served_equals_trained']} ({r['checks']} checks)"
+        peak = f"{r['peak_device_gib']:.1f}" if r["peak_device_gib"] is not None else ""
+        lines.append(f"| {r['ranks']} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {scale} | {served} | {peak} |")
     return "\n".join(lines)
 
 
