@@ -24,7 +24,10 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
 
 Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
-completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5.
+completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5, the reward
+``half_vocabulary_reward`` (every step trains; ``lora_b_max`` in the results says so). Results before
+2026-12-04's 348747b used a share of distinct tokens, which at 1.5B and 7B gave every completion 1 and
+every step a zero gradient: their times and memory are of full steps, their weights never moved.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,9 +55,15 @@ PROMPT_TOKENS = 32
 WARMUP_STEPS = 2
 
 
-def diversity_reward(completions: list[str], **_: object) -> list[float]:
-    """Share of distinct tokens: a reward with spread on random-weight models."""
-    return [len(set(c.split())) / max(1, len(c.split())) for c in completions]
+def half_vocabulary_reward(completions: list[str], **_: object) -> list[float]:
+    """Share of the completion's words in a fixed half of the vocabulary (those whose CRC-32 is even).
+
+    A reward with spread at every shape, so that every step trains: a group's completions of 256 tokens
+    differ by about 0.03, of 4 tokens (the tiny model) by about 0.25, and a policy earns more by moving
+    probability into that half. (A share of distinct tokens has none at 1.5B and 7B: 256 tokens drawn
+    from 152k rarely repeat, every reward is 1, and every gradient 0.)
+    """
+    return [sum(zlib.crc32(w.encode()) % 2 == 0 for w in c.split()) / max(1, len(c.split())) for c in completions]
 
 
 def random_prompts(vocab: int, count: int) -> list[str]:
@@ -274,7 +284,7 @@ def user_config(
         "max_steps": steps,
         **{key: value for key, value in serving.items() if key != "trl"},
         "trl": {
-            "reward_funcs": ["sync_vs_trl.diversity_reward"],
+            "reward_funcs": ["sync_vs_trl.half_vocabulary_reward"],
             "num_generations": 8,
             "max_completion_length": 4 if tiny else 256,
             **serving.get("trl", {}),
@@ -376,7 +386,7 @@ def run_one(
     floor_s = copy_floor_s(model) if cuda and not card_gib and not kind.endswith("4bit") else float("nan")
     base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
     common = dict(
-        model=model, reward_funcs=[diversity_reward], args=args, train_dataset=dataset, processing_class=tokenizer
+        model=model, reward_funcs=[half_vocabulary_reward], args=args, train_dataset=dataset, processing_class=tokenizer
     )
     if kind.startswith("stock"):
         trainer = GRPOTrainer(**common)
@@ -538,6 +548,11 @@ def run_one(
         "logp_diff": statistics.mean(s["logp_diff"] for s in step_log if "logp_diff" in s),
         # Whether the mismatch grows as training moves the weights (the run summary's test: by more than 10%).
         "logp_diff_tenths": first_and_last_tenth([s["logp_diff"] for s in step_log if "logp_diff" in s]),
+        # 0 when no step trained (a reward without spread in any group): every other number is then of a
+        # run whose weights never moved.
+        "lora_b_max": max(
+            (float(p.detach().abs().max()) for n, p in model.named_parameters() if "lora_B" in n), default=0.0
+        ),
         "base_drift_max": max(float(d.max()) for d in drift),
         "base_drift_fraction": sum(int((d > 0).sum()) for d in drift) / sum(d.numel() for d in drift),
     }
@@ -618,7 +633,7 @@ RATIO_KEYS = [
 
 def table(results: list[dict]) -> str:
     """A Markdown table of the runs, then each of ours against stock TRL as ratios."""
-    keys = [*RATIO_KEYS, "copy_floor_s", "base_drift_max"]
+    keys = [*RATIO_KEYS, "copy_floor_s", "lora_b_max", "base_drift_max"]
     lines = ["| shape | kind | " + " | ".join(keys) + " | peak device GiB by phase |", "|---" * (len(keys) + 3) + "|"]
     for r in results:
         if "failed" in r:
