@@ -25,9 +25,10 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
 
 Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
 completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5, the reward
-``half_vocabulary_reward`` (every step trains; ``lora_b_max`` in the results says so). Results before
-2026-12-04's 348747b used a share of distinct tokens, which at 1.5B and 7B gave every completion 1 and
-every step a zero gradient: their times and memory are of full steps, their weights never moved.
+``half_vocabulary_reward`` (every step trains; ``lora_b_max`` in the results says so). The results folders
+up to ``2026-12-04-h200-3fe2623`` used a share of distinct tokens, which at 1.5B and 7B gave every
+completion 1 and every step a zero gradient: their times and memory are of full steps, but their
+weights never moved.
 """
 
 from __future__ import annotations
