@@ -13,6 +13,7 @@
 #   bash bench/gpu.sh kernel              merge-kernel tiles and warps at both shapes (bench/merge_kernel_variants.py)
 #   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
 #   bash bench/gpu.sh writes              ways to write the LoRA factors into vLLM's buffers (bench/adapter_write_variants.py)
+#   bash bench/gpu.sh loragen             vLLM's LoRA generation options against no LoRA, 1.5B and 7B (bench/lora_generate_variants.py)
 #   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
 #   bash bench/gpu.sh head                the trainer's head: bf16, fp32, fp32 on TF32 cores (bench/fp32_head_speed.py)
 #   bash bench/gpu.sh step 7B user        the kernels of one profiled optimizer step of a kind (bench/profile_step.py)
@@ -21,9 +22,9 @@
 # The random-weight 1.5B and 7B models are built once, in $MODELS (default /tmp/sync_vs_trl_models).
 set -u
 case ${1:-} in
-tests | kernel | copies | writes | lora | head | memory) ;;
-bench | push | generate | frontier | dp | step) [ $# -ge 2 ] || { sed -n '2,21p' "$0"; exit 2; } ;;
-*) sed -n '2,21p' "$0"; exit 2 ;;
+tests | kernel | copies | writes | loragen | lora | head | memory) ;;
+bench | push | generate | frontier | dp | step) [ $# -ge 2 ] || { sed -n '2,22p' "$0"; exit 2; } ;;
+*) sed -n '2,22p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -122,6 +123,13 @@ step)
   name=$(fresh "profile_step_$2_${3:-user}")
   python3 bench/profile_step.py --shape "$2" --kind "${3:-user}" --models "$models" > "$out/$name.txt" 2>&1
   grep -a -A25 "micro-batch" "$out/$name.txt"
+  ;;
+loragen)
+  for shape in 1.5B 7B; do
+    python3 bench/lora_generate_variants.py --shape $shape --models "$models" --out "$out/lora_generate_variants_$shape.json" \
+      > "$out/lora_generate_variants_$shape.txt" 2>&1
+    grep -a -E "^\|" "$out/lora_generate_variants_$shape.txt"
+  done
   ;;
 lora)
   python3 bench/lora_speed.py --out "$out/lora_speed.json" > "$out/lora_speed.txt" 2>&1

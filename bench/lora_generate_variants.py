@@ -1,0 +1,197 @@
+"""Generation with vLLM's LoRA kernels under the options vLLM offers, against the same model without LoRA.
+
+Adapter serving generates through vLLM's punica kernels: per LoRA layer and decode step a memset, a
+shrink (x @ A, split over the input dimension) and an expand (+= . @ B), 28 layers x 4 layers each
+at the Qwen2.5 shapes. Each variant runs in its own process on the same random-weight model and batch
+as ``sync_vs_trl.py`` (8 prompts x 8 generations, 256 completion tokens, temperature 1, CUDA graphs),
+with a rank-16 adapter on every linear (random factors):
+
+- ``merged``: no LoRA (what merged serving generates with);
+- ``lora``: vLLM's LoRA as colocate_grpo starts it (max rank 16, one adapter);
+- ``lora-specialize``: ``specialize_active_lora=True`` (the kernels' grid sized to the active adapters);
+- ``lora-dual-stream``: ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` (the LoRA work on a second CUDA stream);
+- ``lora-splitk-N``: the shrink kernel's split of the input dimension set to N for decode batches
+  (vLLM's default for batches under 128 is 64) through ``VLLM_TUNED_CONFIG_FOLDER``.
+
+A variant this vLLM does not have fails alone and is reported as such.
+
+    python bench/lora_generate_variants.py --shape 1.5B --out lora_generate_variants_1.5B.json
+    python bench/lora_generate_variants.py --shape tiny --variants merged lora --batches 2   # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = 8
+GENERATIONS = 8
+COMPLETION_TOKENS = 256
+RANK = 16
+VARIANTS = ["merged", "lora", "lora-specialize", "lora-dual-stream", "lora-splitk-16", "lora-splitk-8", "lora-splitk-4"]
+
+
+def write_adapter(model_path: str, directory: Path) -> None:
+    """A rank-16 PEFT adapter on every linear of the model at ``model_path``, random factors, built from its
+    config alone (no weights loaded)."""
+    import torch
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    shapes = {  # (in, out) of each linear
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (hidden, kv),
+        "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (hidden, inter),
+        "mlp.up_proj": (hidden, inter),
+        "mlp.down_proj": (inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name, (fan_in, fan_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, fan_in, generator=generator) / fan_in**0.5).to(
+                torch.bfloat16
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, RANK, generator=generator) * 1e-3).to(
+                torch.bfloat16
+            )
+    targets = [name.split(".")[1] for name in shapes]
+    LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets, task_type="CAUSAL_LM").save_pretrained(directory)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+
+
+def write_shrink_config(directory: Path, split_k: int) -> None:
+    """vLLM's tuned-config file for the shrink kernel on this GPU: ``split_k`` for batches under 128 tokens,
+    vLLM's own default above (prefill). Keys: max_loras + 1, slices, batch, then input and rank dimensions
+    (one key each: vLLM takes the nearest)."""
+    import torch
+
+    small = {"block_m": 32, "block_n": 16, "block_k": 256, "split_k": split_k}
+    large = {"block_m": 32, "block_n": 16, "block_k": 32, "split_k": 8}
+    common = {"num_warps": 4, "num_ctas": 1, "group_size_m": 8, "num_stages": 2, "max_nreg": None}
+    by_batch = {str(2**i): {"1": {str(RANK): {**(small if 2**i < 128 else large), **common}}} for i in range(14)}
+    table = {"2": {str(slices): by_batch for slices in (1, 2, 3)}}
+    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
+    (directory / f"{gpu}_SHRINK.json").write_text(json.dumps(table))
+
+
+def prompts(model_path: str, tiny: bool) -> list[str]:
+    """The batch: ``sync_vs_trl.py``'s prompts (the arithmetic task's on the tiny model), each 8 times."""
+    if tiny:
+        from colocate_grpo.tasks import arithmetic_dataset
+
+        distinct = list(arithmetic_dataset(size=PROMPTS)["prompt"])
+    else:
+        from sync_vs_trl import random_prompts
+        from transformers import AutoTokenizer
+
+        distinct = random_prompts(len(AutoTokenizer.from_pretrained(model_path)), PROMPTS)
+    return [p for p in distinct for _ in range(GENERATIONS)]
+
+
+def run_one(variant: str, model_path: str, adapter: str, batches: int) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    lora = variant != "merged"
+    tiny = "tiny" in model_path
+    completion_tokens = 4 if tiny else COMPLETION_TOKENS
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    started = time.perf_counter()
+    llm = LLM(
+        model=model_path,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.3,
+        max_model_len=None if tiny else 512 + COMPLETION_TOKENS,
+        max_num_seqs=PROMPTS * GENERATIONS,
+        seed=0,
+        **(dict(enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=1) if lora else {}),
+        **({"specialize_active_lora": True} if variant == "lora-specialize" else {}),
+    )
+    start_s = time.perf_counter() - started
+    params = SamplingParams(temperature=1.0, max_tokens=completion_tokens, ignore_eos=True, logprobs=0, seed=0)
+    request = LoRARequest("policy", 1, adapter) if lora else None
+    batch = prompts(model_path, tiny)
+    times = []
+    for _ in range(batches + 1):  # the first batch warms up (and loads the adapter)
+        synchronize()
+        began = time.perf_counter()
+        llm.generate(batch, params, lora_request=request, use_tqdm=False)
+        synchronize()
+        times.append(time.perf_counter() - began)
+    return {"variant": variant, "start_s": start_s, "generate_s": statistics.median(times[1:]), "all_s": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1.5B")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS)
+    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--out", default="lora_generate_variants.json")
+    parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
+    parser.add_argument("--child", nargs=4, metavar=("VARIANT", "MODEL", "ADAPTER", "JSON"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, str(Path(__file__).parent))
+    if args.child:
+        variant, model_path, adapter, out = args.child
+        Path(out).write_text(json.dumps(run_one(variant, model_path, adapter, args.batches)))
+        return
+
+    from sync_vs_trl import build_model
+
+    model_path = build_model(args.shape, Path(args.models) / args.shape)
+    scratch = Path(tempfile.mkdtemp())
+    adapter = scratch / "adapter"
+    write_adapter(model_path, adapter)
+    results = []
+    for variant in args.variants:
+        env = dict(os.environ)
+        if variant == "lora-dual-stream":
+            env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
+        if variant.startswith("lora-splitk-"):
+            folder = scratch / variant
+            folder.mkdir()
+            write_shrink_config(folder, int(variant.removeprefix("lora-splitk-")))
+            env["VLLM_TUNED_CONFIG_FOLDER"] = str(folder)
+        out = scratch / f"{variant}.json"
+        command = [sys.executable, __file__, "--batches", str(args.batches), "--child", variant, model_path]
+        run = subprocess.run([*command, str(adapter), str(out)], env=env, capture_output=True, text=True)
+        if run.returncode != 0 or not out.exists():
+            tail = [line for line in run.stderr.splitlines() if line.strip()][-3:]
+            print(f"{args.shape} {variant}: failed (exit {run.returncode}): {' / '.join(tail)}", flush=True)
+            results.append({"shape": args.shape, "variant": variant, "failed": run.stderr[-3000:]})
+        else:
+            results.append({"shape": args.shape, **json.loads(out.read_text())})
+            print(f"{args.shape} {variant:18s} generate {results[-1]['generate_s']:.3f} s", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    merged = next((r for r in results if r["variant"] == "merged" and "failed" not in r), None)
+    print()
+    print("| shape | variant | generate s | against merged |")
+    print("|---|---|---|---|")
+    for r in results:
+        if "failed" in r:
+            print(f"| {r['shape']} | {r['variant']} | failed | |")
+            continue
+        ratio = f"{r['generate_s'] / merged['generate_s']:.3f}x" if merged else ""
+        print(f"| {r['shape']} | {r['variant']} | {r['generate_s']:.3f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
