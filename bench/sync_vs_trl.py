@@ -22,6 +22,8 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
     python bench/sync_vs_trl.py --shapes 1.5B --out bench/results/sync_vs_trl_1.5B.json   # GPU
     python bench/sync_vs_trl.py --shapes 7B --kinds user --card-gib 40   # as on a 40 GiB card
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
+    python bench/sync_vs_trl.py --shapes 1.5B --kinds stock user user-merged user-adapter --steps 200 --together
+        # the mismatch over 200 steps, the four runs side by side on the device (their times are not a run's alone)
 
 Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
 completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5, the reward
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 
 SHAPES = QWEN25
 PROMPT_TOKENS = 32
+STARTED = "sync_vs_trl: engine started"
 WARMUP_STEPS = 2
 
 
@@ -401,6 +404,8 @@ def run_one(
         )
         trainer = ColocateGRPOTrainer(**common, vllm_options=options, serve_adapter=kind.startswith("ours-adapter"))
 
+    print(STARTED, flush=True)  # the engine has started: see run_children_together
+
     def device_used_gib() -> float:
         if not cuda:
             return 0.0
@@ -574,6 +579,11 @@ def main() -> None:
         help=f"sequences per forward and backward; the {GENERATION_BATCH} generated a step are trained in "
         "generation_batch / micro_batch accumulation steps",
     )
+    parser.add_argument(
+        "--together",
+        action="store_true",
+        help="run a shape's kinds side by side on the device (for the mismatch over a long run, not for times)",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TRL_TELEMETRY", "0")
@@ -586,27 +596,61 @@ def main() -> None:
         Path(out).write_text(json.dumps(result))
         return
 
+    if args.together and args.card_gib:
+        parser.error("--together shares the device between the runs: it cannot also simulate a card (--card-gib)")
     results = []
     Path(args.models).mkdir(parents=True, exist_ok=True)
     for shape in args.shapes:
         model_path = build_model(shape, Path(args.models) / shape)
-        for kind in args.kinds:
-            out = Path(args.models) / f"{shape}-{kind}.json"
+        outs = {kind: Path(args.models) / f"{shape}-{kind}.json" for kind in args.kinds}
+        commands = {}
+        for kind, out in outs.items():
             out.unlink(missing_ok=True)
             command = [sys.executable, __file__, "--steps", str(args.steps), "--child", kind, model_path, str(out)]
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
-            command += ["--micro-batch", str(args.micro_batch)]
-            returncode, tail = run_child(command)
-            if returncode != 0 or not out.exists():
-                print(f"{shape} {kind}: failed (exit {returncode})\n{tail}", file=sys.stderr)
-                results.append({"shape": shape, "kind": kind, "failed": tail})
-            else:
-                results.append({"shape": shape, **json.loads(out.read_text())})
-                print(table(results[-1:]).splitlines()[2], flush=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))  # after each run: a later one may not finish
+            commands[kind] = [*command, "--micro-batch", str(args.micro_batch)]
+        if args.together:
+            for kind, (returncode, tail) in run_children_together(commands, Path(args.models)).items():
+                record(results, shape, kind, returncode, tail, outs[kind], args.out)
+        else:
+            for kind, command in commands.items():
+                record(results, shape, kind, *run_child(command), outs[kind], args.out)
 
     print(table(results))
+    if args.together:
+        print("\nThe runs shared the device (--together): their times and memory are not a run's alone.")
+
+
+def record(results: list[dict], shape: str, kind: str, returncode: int, tail: str, out: Path, path: str) -> None:
+    """Add one run's result (or its failure) to ``results`` and write them all to ``path``."""
+    if returncode != 0 or not out.exists():
+        print(f"{shape} {kind}: failed (exit {returncode})\n{tail}", file=sys.stderr)
+        results.append({"shape": shape, "kind": kind, "failed": tail})
+    else:
+        results.append({"shape": shape, **json.loads(out.read_text())})
+        print(table(results[-1:]).splitlines()[2], flush=True)
+    Path(path).write_text(json.dumps(results, indent=1))  # after each run: a later one may not finish
+
+
+def run_children_together(commands: dict[str, list[str]], logs: Path) -> dict[str, tuple[int, str]]:
+    """Run the measured processes side by side on one device, for what does not depend on time (the logprob
+    mismatch over a long run). Each starts once the one before it has started its engine: stock TRL's vLLM
+    measures the device's free memory while it starts, and a neighbour's allocations would move it. Their
+    output goes to ``logs``/<kind>.log (stock TRL's runs start first); returns each one's exit code and the
+    last 3,000 characters of its log."""
+    children = {}
+    for kind, command in sorted(commands.items(), key=lambda item: not item[0].startswith("stock")):
+        log = logs / f"{kind}.log"
+        children[kind] = (subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
+        while children[kind][0].poll() is None and STARTED not in log.read_text(errors="replace"):
+            time.sleep(1)
+        print(f"{kind}: started", file=sys.stderr, flush=True)
+    ended = {}
+    for kind, (child, log) in children.items():
+        child.wait()
+        ended[kind] = (child.returncode, log.read_text(errors="replace")[-3000:])
+    return ended
 
 
 def run_child(command: list[str]) -> tuple[int, str]:
