@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 
 import torch
 from shapes import QWEN25
+from timing import cuda_time
 from trl.kernels import ChunkedLogProbFunction
 
 from colocate_grpo.head import TF32ChunkedLogProb
@@ -30,19 +30,6 @@ def forward_backward(function: type, hidden: torch.Tensor, weight: torch.Tensor,
     log_probs, entropy, *_ = function.apply(hidden, weight, None, targets, 1.0, CHUNK, None, 1.0, ("entropy",))
     log_probs.sum().backward()
     return log_probs.detach().float()
-
-
-def time_ms(run, repeats: int = 5) -> float:  # noqa: ANN001
-    run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -68,7 +55,9 @@ def main() -> None:
             reference = forward_backward(*heads["fp32, IEEE (TRL's cast_lm_head_to_fp32)"], weight, targets)
             bf16_ms = None
             for name, (function, inputs) in heads.items():
-                ms = time_ms(functools.partial(forward_backward, function, inputs, weight, targets))
+                ms = 1e3 * cuda_time(
+                    functools.partial(forward_backward, function, inputs, weight, targets), warmup=1, iters=5
+                )
                 bf16_ms = bf16_ms or ms
                 diff = (forward_backward(function, inputs, weight, targets) - reference).abs().max().item()
                 print(f"| {shape} | {tokens} | {name} | {ms:.2f} | {ms / bf16_ms:.2f} | {diff:.2e} |", flush=True)

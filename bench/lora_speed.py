@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 from shapes import QWEN25
+from timing import cuda_time
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from colocate_grpo import lora
@@ -32,21 +32,6 @@ LAYER_SHAPES = {  # (out_features, in_features)
     "7B down_proj": (3584, 18944),
 }
 MODEL_1_5B = {**QWEN25["1.5B"], "max_position_embeddings": 8192}
-
-
-def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median seconds of fn() on the GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
 
 
 def kernel_time(fn, iters: int = 5) -> float:
