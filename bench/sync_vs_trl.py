@@ -642,8 +642,10 @@ def run_children_together(commands: dict[str, list[str]], logs: Path) -> dict[st
     children = {}
     for kind, command in sorted(commands.items(), key=lambda item: not item[0].startswith("stock")):
         log = logs / f"{kind}.log"
-        children[kind] = (subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT), log)
-        while children[kind][0].poll() is None and STARTED not in log.read_text(errors="replace"):
+        with log.open("w") as sink:
+            child = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        children[kind] = (child, log)
+        while child.poll() is None and STARTED not in log.read_text(errors="replace"):
             time.sleep(1)
         print(f"{kind}: started", file=sys.stderr, flush=True)
     ended = {}
