@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 SHAPES = QWEN25
 PROMPT_TOKENS = 32
 STARTED = "sync_vs_trl: engine started"
+SHARP = "-sharp"
+SHARP_LOGIT_STD = 8.0
 WARMUP_STEPS = 2
 
 
@@ -83,7 +85,7 @@ def shape_config(shape: str) -> Qwen2Config:
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        **SHAPES[shape],
+        **SHAPES[shape.removesuffix(SHARP)],
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         eos_token_id=0,
@@ -93,7 +95,12 @@ def shape_config(shape: str) -> Qwen2Config:
 
 
 def build_model(shape: str, directory: Path) -> str:
-    """A random-weight bf16 Qwen2 of ``shape`` with a word-level tokenizer covering its vocabulary."""
+    """A random-weight bf16 Qwen2 of ``shape`` with a word-level tokenizer covering its vocabulary.
+
+    A shape ending in ``-sharp`` (``1.5B-sharp``) has its head scaled so that the logits' standard deviation
+    is ``SHARP_LOGIT_STD``: a random model's next-token distributions are near uniform (entropy 11.2 nats of
+    at most 11.9), a trained model's are sharp, and the head's rounding weighs with the logits' size.
+    """
     if shape == "tiny":
         from colocate_grpo.tiny import tiny_model_path
 
@@ -104,7 +111,7 @@ def build_model(shape: str, directory: Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    dims = SHAPES[shape]
+    dims = SHAPES[shape.removesuffix(SHARP)]
     vocab = {f"t{i}": i for i in range(dims["vocab_size"])}
     word_level = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -113,6 +120,9 @@ def build_model(shape: str, directory: Path) -> str:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    if shape.endswith(SHARP):  # the final norm's output has unit RMS: a logit's std is the head row's norm
+        with torch.no_grad():
+            model.lm_head.weight.mul_(SHARP_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5))
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     # The runs measure the device's used memory, which would count this process's cache (30 GiB at 7B).
@@ -485,6 +495,8 @@ def run_one(
         def on_log(self, args, state, control, logs=None, **_):  # noqa: ANN001, ANN003, ANN202
             if logs and "sampling/sampling_logp_difference/mean" in logs and step_log:
                 step_log[-1]["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
+            if logs and "entropy" in logs and step_log:
+                step_log[-1]["entropy"] = logs["entropy"]
 
     trainer.add_callback(Steps())
     if cuda:
@@ -552,6 +564,8 @@ def run_one(
         "card_used_gib": max(peaks.values()) - (device_total / 2**30 - card_gib) if card_gib else None,
         "trainer_peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "logp_diff": statistics.mean(s["logp_diff"] for s in step_log if "logp_diff" in s),
+        # The policy's mean entropy (nats): how sharp its next-token distributions are (see build_model).
+        "entropy": statistics.mean([s["entropy"] for s in step_log if "entropy" in s] or [float("nan")]),
         # Whether the mismatch grows as training moves the weights (the run summary's test: by more than 10%).
         "logp_diff_tenths": first_and_last_tenth([s["logp_diff"] for s in step_log if "logp_diff" in s]),
         # 0 when no step trained (a reward without spread in any group): every other number is then of a
@@ -566,7 +580,9 @@ def run_one(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["1.5B", "7B"], help="1.5B, 7B, or tiny (CPU check)")
+    parser.add_argument(
+        "--shapes", nargs="+", default=["1.5B", "7B"], help="1.5B, 7B, either with -sharp, or tiny (CPU check)"
+    )
     parser.add_argument("--kinds", nargs="+", default=["stock", "user", "ours", "ours-ma", "ours-ma-fraction"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="sync_vs_trl.json")
@@ -680,7 +696,7 @@ RATIO_KEYS = [
 
 def table(results: list[dict]) -> str:
     """A Markdown table of the runs, then each of ours against stock TRL as ratios."""
-    keys = [*RATIO_KEYS, "copy_floor_s", "lora_b_max", "base_drift_max"]
+    keys = [*RATIO_KEYS, "copy_floor_s", "entropy", "lora_b_max", "base_drift_max"]
     lines = ["| shape | kind | " + " | ".join(keys) + " | peak device GiB by phase |", "|---" * (len(keys) + 3) + "|"]
     for r in results:
         if "failed" in r:
