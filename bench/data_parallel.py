@@ -23,20 +23,9 @@ import sys
 from pathlib import Path
 
 import yaml
-from sync_vs_trl import GENERATION_BATCH, build_model, random_prompts, user_config
+from sync_vs_trl import GENERATION_BATCH, benchmark_prompts, build_model, user_config
 
 HERE = Path(__file__).parent
-
-
-def prompts(model_path: str, tiny: bool) -> list[str]:
-    """256 prompts: the arithmetic task's on the tiny model, as ``sync_vs_trl.py``'s random words otherwise."""
-    if tiny:
-        from colocate_grpo.tasks import arithmetic_dataset
-
-        return list(arithmetic_dataset(size=256)["prompt"])
-    from transformers import AutoTokenizer
-
-    return random_prompts(len(AutoTokenizer.from_pretrained(model_path)), 256)
 
 
 def free_port() -> int:
@@ -48,7 +37,7 @@ def free_port() -> int:
 def run(ranks: int, model_path: str, steps: int, directory: Path) -> dict:
     """One launch on ``ranks`` ranks; its step times and checks from rank 0's metrics."""
     tiny = "tiny" in model_path
-    config = user_config(model_path, prompts(model_path, tiny), steps, tiny, directory)
+    config = user_config(model_path, benchmark_prompts(model_path, 256), steps, tiny, directory)
     if tiny:  # the default job's CPU settings: no compile, the task's reward
         config.update(task="arithmetic", dataset=None, vllm={"enforce_eager": True})
         config["trl"].pop("reward_funcs")

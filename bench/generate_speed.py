@@ -34,11 +34,10 @@ ENGINES = ["stock", "ours", "ours-512", "ours-0.3", "ours-fraction"]
 
 
 def prompts(model_path: str) -> list[str]:
-    from sync_vs_trl import random_prompts
-    from transformers import AutoTokenizer
+    """The batch: ``sync_vs_trl.py``'s prompts, each ``GENERATIONS`` times."""
+    from sync_vs_trl import benchmark_prompts
 
-    distinct = random_prompts(len(AutoTokenizer.from_pretrained(model_path)), PROMPTS)
-    return [p for p in distinct for _ in range(GENERATIONS)]
+    return [p for p in benchmark_prompts(model_path, PROMPTS) for _ in range(GENERATIONS)]
 
 
 def start(kind: str, model_path: str):  # noqa: ANN201 (an LLM or an Engine)

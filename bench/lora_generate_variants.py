@@ -31,9 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPTS = 8
-GENERATIONS = 8
-COMPLETION_TOKENS = 256
+from generate_speed import COMPLETION_TOKENS, GENERATIONS, PROMPTS, prompts
+
 RANK = 16
 VARIANTS = ["merged", "lora", "lora-specialize", "lora-dual-stream", "lora-splitk-16", "lora-splitk-8", "lora-splitk-4"]
 
@@ -44,25 +43,15 @@ def write_adapter(model_path: str, directory: Path) -> None:
     import torch
     from peft import LoraConfig
     from safetensors.torch import save_file
+    from shapes import layer_linears
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
-    hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    shapes = {  # (in, out) of each linear
-        "self_attn.q_proj": (hidden, hidden),
-        "self_attn.k_proj": (hidden, kv),
-        "self_attn.v_proj": (hidden, kv),
-        "self_attn.o_proj": (hidden, hidden),
-        "mlp.gate_proj": (hidden, inter),
-        "mlp.up_proj": (hidden, inter),
-        "mlp.down_proj": (inter, hidden),
-    }
+    linears = layer_linears(config.to_dict())
     generator = torch.Generator().manual_seed(0)
     tensors = {}
     for layer in range(config.num_hidden_layers):
-        for name, (fan_in, fan_out) in shapes.items():
+        for name, (fan_out, fan_in) in linears.items():
             prefix = f"base_model.model.model.layers.{layer}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = (torch.randn(RANK, fan_in, generator=generator) / fan_in**0.5).to(
                 torch.bfloat16
@@ -70,7 +59,7 @@ def write_adapter(model_path: str, directory: Path) -> None:
             tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, RANK, generator=generator) * 1e-3).to(
                 torch.bfloat16
             )
-    targets = [name.split(".")[1] for name in shapes]
+    targets = [name.split(".")[1] for name in linears]
     LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets, task_type="CAUSAL_LM").save_pretrained(directory)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
 
@@ -88,20 +77,6 @@ def write_shrink_config(directory: Path, split_k: int) -> None:
     table = {"2": {str(slices): by_batch for slices in (1, 2, 3)}}
     gpu = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
     (directory / f"{gpu}_SHRINK.json").write_text(json.dumps(table))
-
-
-def prompts(model_path: str, tiny: bool) -> list[str]:
-    """The batch: ``sync_vs_trl.py``'s prompts (the arithmetic task's on the tiny model), each 8 times."""
-    if tiny:
-        from colocate_grpo.tasks import arithmetic_dataset
-
-        distinct = list(arithmetic_dataset(size=PROMPTS)["prompt"])
-    else:
-        from sync_vs_trl import random_prompts
-        from transformers import AutoTokenizer
-
-        distinct = random_prompts(len(AutoTokenizer.from_pretrained(model_path)), PROMPTS)
-    return [p for p in distinct for _ in range(GENERATIONS)]
 
 
 def run_one(variant: str, model_path: str, adapter: str, batches: int) -> dict:
@@ -127,7 +102,7 @@ def run_one(variant: str, model_path: str, adapter: str, batches: int) -> dict:
     start_s = time.perf_counter() - started
     params = SamplingParams(temperature=1.0, max_tokens=completion_tokens, ignore_eos=True, logprobs=0, seed=0)
     request = LoRARequest("policy", 1, adapter) if lora else None
-    batch = prompts(model_path, tiny)
+    batch = prompts(model_path)
     times = []
     for _ in range(batches + 1):  # the first batch warms up (and loads the adapter)
         synchronize()
@@ -148,7 +123,6 @@ def main() -> None:
     parser.add_argument("--child", nargs=4, metavar=("VARIANT", "MODEL", "ADAPTER", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    sys.path.insert(0, str(Path(__file__).parent))
     if args.child:
         variant, model_path, adapter, out = args.child
         Path(out).write_text(json.dumps(run_one(variant, model_path, adapter, args.batches)))

@@ -1,5 +1,7 @@
 """Qwen2.5 model dimensions used by the benchmarks (random weights are built from these)."""
 
+from collections.abc import Mapping
+
 QWEN25 = {
     "1.5B": dict(
         hidden_size=1536,
@@ -36,10 +38,22 @@ QWEN25 = {
 }
 
 
+def layer_linears(dims: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear of one decoder layer of a Qwen2 with these dimensions (a ``QWEN25`` entry or a
+    config's ``to_dict()``), by its name in the layer: q, k, v, o, gate, up, down."""
+    hidden, inter = dims["hidden_size"], dims["intermediate_size"]
+    kv = hidden // dims["num_attention_heads"] * dims["num_key_value_heads"]
+    return {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+
+
 def linear_shapes(shape: str) -> list[tuple[int, int]]:
     """(out, in) of every linear layer of a ``QWEN25`` shape but the head: q, k, v, o, gate, up, down per layer."""
-    d = QWEN25[shape]
-    hidden, inter = d["hidden_size"], d["intermediate_size"]
-    kv = hidden // d["num_attention_heads"] * d["num_key_value_heads"]
-    layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden)]
-    return (layer + [(hidden, inter)]) * d["num_hidden_layers"]
+    return list(layer_linears(QWEN25[shape]).values()) * QWEN25[shape]["num_hidden_layers"]

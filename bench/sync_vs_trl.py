@@ -72,6 +72,18 @@ def half_vocabulary_reward(completions: list[str], **_: object) -> list[float]:
     return [sum(zlib.crc32(w.encode()) % 2 == 0 for w in c.split()) / max(1, len(c.split())) for c in completions]
 
 
+def benchmark_prompts(model_path: str, count: int) -> list[str]:
+    """``count`` prompts for the benchmarks' model at ``model_path``: the arithmetic task's on the tiny model,
+    :func:`random_prompts` of its vocabulary on a ``build_model`` shape."""
+    if "tiny" in model_path:
+        from colocate_grpo.tasks import arithmetic_dataset
+
+        return list(arithmetic_dataset(size=count)["prompt"])
+    from transformers import AutoTokenizer
+
+    return random_prompts(len(AutoTokenizer.from_pretrained(model_path)), count)
+
+
 def random_prompts(vocab: int, count: int) -> list[str]:
     """``count`` prompts of ``PROMPT_TOKENS`` random words of a ``build_model`` vocabulary, the same every call."""
     import random
@@ -333,12 +345,7 @@ def run_one(
     device_total = torch.cuda.mem_get_info()[1] if cuda else 0
     taken = take_device_memory(card_gib) if card_gib else None  # noqa: F841 (held for the run)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tiny:
-        from colocate_grpo.tasks import arithmetic_dataset
-
-        dataset = arithmetic_dataset(size=256)
-    else:
-        dataset = Dataset.from_dict({"prompt": random_prompts(len(tokenizer), 256)})
+    dataset = Dataset.from_dict({"prompt": benchmark_prompts(model_path, 256)})
     completion_tokens = 4 if tiny else 256
     max_model_len = 32 if tiny else 512
     args = GRPOConfig(
