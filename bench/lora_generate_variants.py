@@ -13,9 +13,13 @@ with a rank-16 adapter on every linear (random factors):
 - ``lora-splitk-N``: the shrink kernel's split of the input dimension set to N for decode batches
   (vLLM's default for batches under 128 is 64) through ``VLLM_TUNED_CONFIG_FOLDER``.
 
-A variant this vLLM does not have fails alone and is reported as such.
+A variant this vLLM does not have fails alone and is reported as such. ``--profile`` (CUDA) runs one
+more batch under ``torch.profiler``: the device's kernel time against the batch's wall time (the rest is
+the device waiting on the host) and the LoRA kernels' share, which say whether LoRA's extra time is
+spent on the device or between its launches.
 
     python bench/lora_generate_variants.py --shape 1.5B --out lora_generate_variants_1.5B.json
+    python bench/lora_generate_variants.py --shape 7B --variants merged lora --profile
     python bench/lora_generate_variants.py --shape tiny --variants merged lora --batches 2   # CPU check
 """
 
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from generate_speed import COMPLETION_TOKENS, GENERATIONS, PROMPTS, prompts
@@ -79,7 +84,29 @@ def write_shrink_config(directory: Path, split_k: int) -> None:
     (directory / f"{gpu}_SHRINK.json").write_text(json.dumps(table))
 
 
-def run_one(variant: str, model_path: str, adapter: str, batches: int) -> dict:
+def profile_generate(generate: Callable[[], object]) -> dict:
+    """One batch under ``torch.profiler``: its wall time, the device's kernel time (seconds), the LoRA
+    kernels' (vLLM's punica shrink and expand, by name), the number of kernels and the top kernels by time."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        generate()
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - began
+    kernels = [event for event in profile.key_averages() if event.device_time_total > 0]
+    top = sorted(kernels, key=lambda event: event.device_time_total, reverse=True)[:12]
+    return {
+        "profiled_wall_s": wall_s,
+        "kernel_s": sum(event.device_time_total for event in kernels) / 1e6,
+        "lora_kernel_s": sum(event.device_time_total for event in kernels if "lora" in event.key.lower()) / 1e6,
+        "kernel_count": sum(event.count for event in kernels),
+        "top_kernels": [[event.key[:120], event.device_time_total / 1e6, event.count] for event in top],
+    }
+
+
+def run_one(variant: str, model_path: str, adapter: str, batches: int, profile: bool) -> dict:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -110,7 +137,10 @@ def run_one(variant: str, model_path: str, adapter: str, batches: int) -> dict:
         llm.generate(batch, params, lora_request=request, use_tqdm=False)
         synchronize()
         times.append(time.perf_counter() - began)
-    return {"variant": variant, "start_s": start_s, "generate_s": statistics.median(times[1:]), "all_s": times}
+    result = {"variant": variant, "start_s": start_s, "generate_s": statistics.median(times[1:]), "all_s": times}
+    if profile:
+        result |= profile_generate(lambda: llm.generate(batch, params, lora_request=request, use_tqdm=False))
+    return result
 
 
 def main() -> None:
@@ -120,13 +150,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--out", default="lora_generate_variants.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
+    parser.add_argument("--profile", action="store_true", help="one more batch under torch.profiler (CUDA)")
     parser.add_argument("--child", nargs=4, metavar=("VARIANT", "MODEL", "ADAPTER", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.child:
         variant, model_path, adapter, out = args.child
-        Path(out).write_text(json.dumps(run_one(variant, model_path, adapter, args.batches)))
+        Path(out).write_text(json.dumps(run_one(variant, model_path, adapter, args.batches, args.profile)))
         return
+    if args.profile:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--profile reads the CUDA kernels' time: it needs a CUDA GPU")
 
     from sync_vs_trl import build_model
 
@@ -145,7 +181,8 @@ def main() -> None:
             write_shrink_config(folder, int(variant.removeprefix("lora-splitk-")))
             env["VLLM_TUNED_CONFIG_FOLDER"] = str(folder)
         out = scratch / f"{variant}.json"
-        command = [sys.executable, __file__, "--batches", str(args.batches), "--child", variant, model_path]
+        command = [sys.executable, __file__, "--batches", str(args.batches), *["--profile"] * args.profile]
+        command += ["--child", variant, model_path]
         run = subprocess.run([*command, str(adapter), str(out)], env=env, capture_output=True, text=True)
         if run.returncode != 0 or not out.exists():
             tail = [line for line in run.stderr.splitlines() if line.strip()][-3:]
@@ -157,14 +194,16 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
     merged = next((r for r in results if r["variant"] == "merged" and "failed" not in r), None)
     print()
-    print("| shape | variant | generate s | against merged |")
-    print("|---|---|---|---|")
+    print("| shape | variant | generate s | against merged | profiled: wall s | kernels s | LoRA kernels s | kernels |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if "failed" in r:
-            print(f"| {r['shape']} | {r['variant']} | failed | |")
+            print(f"| {r['shape']} | {r['variant']} | failed | | | | | |")
             continue
         ratio = f"{r['generate_s'] / merged['generate_s']:.3f}x" if merged else ""
-        print(f"| {r['shape']} | {r['variant']} | {r['generate_s']:.3f} | {ratio} |")
+        profiled = [f"{r[key]:.3f}" if key in r else "" for key in ("profiled_wall_s", "kernel_s", "lora_kernel_s")]
+        cells = [r["shape"], r["variant"], f"{r['generate_s']:.3f}", ratio, *profiled, str(r.get("kernel_count", ""))]
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
