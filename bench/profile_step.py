@@ -40,20 +40,23 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CUDA] + [torch.profiler.ProfilerActivity.CPU] * args.host
     profile = torch.profiler.profile(activities=activities)
     start = 0.0
+    retries = 0
 
     def profiled_step(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
         # The last step's micro-batches: its first also generates and syncs (TRL's _prepare_inputs).
-        nonlocal calls, start
+        nonlocal calls, start, retries
         calls += 1
         if calls == (STEPS - 1) * micro_batches + 1:
             torch.cuda.synchronize()
             start = time.perf_counter()
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             profile.__enter__()
         out = training_step(self, *a, **k)
         if calls == STEPS * micro_batches:
             torch.cuda.synchronize()
             profile.__exit__(None, None, None)
-            report(args, time.perf_counter() - start, profile.key_averages())
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+            report(args, time.perf_counter() - start, retries, profile.key_averages())
         return out
 
     ColocateGRPOTrainer.training_step = profiled_step
@@ -62,10 +65,12 @@ def main() -> None:
     print("step s (the last profiled):", ", ".join(f"{step['step_s']:.3f}" for step in result["steps"]))
 
 
-def report(args: argparse.Namespace, wall_s: float, averages: list) -> None:  # noqa: ANN001
+def report(args: argparse.Namespace, wall_s: float, retries: int, averages: list) -> None:  # noqa: ANN001
+    """Print the step's wall and kernel time, its allocator retries (each a device-wide synchronization while
+    torch frees its cache to allocate again) and its top kernels."""
     kernel_ms = sum(event.device_time_total for event in averages) / 1e3
     print(f"{args.kind} {args.shape}, micro-batch {args.micro_batch}, step {STEPS}: wall {wall_s:.3f} s, ", end="")
-    print(f"kernels {kernel_ms / 1e3:.3f} s")
+    print(f"kernels {kernel_ms / 1e3:.3f} s, allocator retries {retries}")
     kernels = [event for event in averages if event.device_time_total > 0]
     for event in sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[: args.top]:
         print(f"  {event.device_time_total / 1e3:9.2f} ms x{event.count:<5d} {event.key[:120]}", flush=True)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -429,6 +430,9 @@ def run_one(
         free, total = torch.cuda.mem_get_info()
         return (total - free) / 2**30
 
+    def alloc_retries() -> int:
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
+
     step_log: list[dict] = []
     current: dict = {}
     phases: list[str] = []  # the timed calls in progress, outermost first
@@ -490,11 +494,13 @@ def run_one(
         def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
             current.clear()
             current["start"] = time.perf_counter()
+            current["alloc_retries"] = -alloc_retries()
 
         def on_step_end(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
             if cuda:
                 torch.cuda.synchronize()
             current["step_s"] = time.perf_counter() - current.pop("start")
+            current["alloc_retries"] += alloc_retries()
             add_push_s()
             current["train_device_gib"] = device_used_gib()
             step_log.append(dict(current))
@@ -580,6 +586,9 @@ def run_one(
         "lora_b_max": max(
             (float(p.detach().abs().max()) for n, p in model.named_parameters() if "lora_B" in n), default=0.0
         ),
+        # torch's allocator freed its cache and tried again (a device-wide synchronization each time): a step
+        # slower than its kernels with no other cause. Summed over the measured steps.
+        "alloc_retries": sum(s.get("alloc_retries", 0) for s in measured),
         "base_drift_max": max(float(d.max()) for d in drift),
         "base_drift_fraction": sum(int((d > 0).sum()) for d in drift) / sum(d.numel() for d in drift),
     }
@@ -703,14 +712,15 @@ RATIO_KEYS = [
 
 def table(results: list[dict]) -> str:
     """A Markdown table of the runs, then each of ours against stock TRL as ratios."""
-    keys = [*RATIO_KEYS, "copy_floor_s", "entropy", "lora_b_max", "base_drift_max"]
+    keys = [*RATIO_KEYS, "copy_floor_s", "entropy", "lora_b_max", "base_drift_max", "alloc_retries"]
     lines = ["| shape | kind | " + " | ".join(keys) + " | peak device GiB by phase |", "|---" * (len(keys) + 3) + "|"]
     for r in results:
         if "failed" in r:
             lines.append(f"| {r['shape']} | {r['kind']} | failed |")
             continue
         peaks = " ".join(f"{p}={v:.1f}" for p, v in r["peak_device_gib"].items())
-        lines.append(f"| {r['shape']} | {r['kind']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + f" | {peaks} |")
+        values = " | ".join(f"{r.get(k, math.nan):.4g}" for k in keys)  # older results lack the newer keys
+        lines.append(f"| {r['shape']} | {r['kind']} | {values} | {peaks} |")
     lines.append("")
     for r in results:
         if r.get("logp_diff_tenths"):
