@@ -16,15 +16,16 @@
 #   bash bench/gpu.sh loragen             vLLM's LoRA generation options against no LoRA, 1.5B and 7B (bench/lora_generate_variants.py)
 #   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
 #   bash bench/gpu.sh head                the trainer's head: bf16, fp32, fp32 on TF32 cores (bench/fp32_head_speed.py)
+#   bash bench/gpu.sh sources             each side's logprobs against a float32 reference (bench/mismatch_sources.py)
 #   bash bench/gpu.sh step 7B user        the kernels of one profiled optimizer step of a kind (bench/profile_step.py)
 #   bash bench/gpu.sh memory              create/train/release cycles (tests/test_memory.py), 200 steps of the
 #                                         default job (bench/memory_growth.py)
 # The random-weight 1.5B and 7B models are built once, in $MODELS (default /tmp/sync_vs_trl_models).
 set -u
 case ${1:-} in
-tests | kernel | copies | writes | loragen | lora | head | memory) ;;
-bench | push | generate | frontier | dp | step) [ $# -ge 2 ] || { sed -n '2,22p' "$0"; exit 2; } ;;
-*) sed -n '2,22p' "$0"; exit 2 ;;
+tests | kernel | copies | writes | loragen | lora | head | sources | memory) ;;
+bench | push | generate | frontier | dp | step) [ $# -ge 2 ] || { sed -n '2,23p' "$0"; exit 2; } ;;
+*) sed -n '2,23p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -118,6 +119,11 @@ writes)
 head)
   python3 bench/fp32_head_speed.py > "$out/fp32_head_speed.txt" 2>&1
   grep -a -E "^\|" "$out/fp32_head_speed.txt"
+  ;;
+sources)
+  python3 bench/mismatch_sources.py --shapes 1.5B 1.5B-sharp 7B --models "$models" --out "$out/mismatch_sources.json" \
+    > "$out/mismatch_sources.txt" 2>&1
+  grep -a -E "^\|" "$out/mismatch_sources.txt"
   ;;
 step)
   name=$(fresh "profile_step_$2_${3:-user}")
