@@ -14,6 +14,8 @@
 #   bash bench/gpu.sh copies              ways to copy the frozen tensors at both shapes (bench/frozen_copies.py)
 #   bash bench/gpu.sh writes              ways to write the LoRA factors into vLLM's buffers (bench/adapter_write_variants.py)
 #   bash bench/gpu.sh loragen             vLLM's LoRA generation options against no LoRA, 1.5B and 7B (bench/lora_generate_variants.py)
+#   bash bench/gpu.sh loratune 7B         a search of vLLM's LoRA kernel configs, then generation with them, profiled
+#                                         (bench/lora_kernel_configs.py, bench/lora_generate_variants.py)
 #   bash bench/gpu.sh lora                merge-aware against PEFT LoRA, forward + backward (bench/lora_speed.py)
 #   bash bench/gpu.sh head                the trainer's head: bf16, fp32, fp32 on TF32 cores (bench/fp32_head_speed.py)
 #   bash bench/gpu.sh sources             each side's logprobs against a float32 reference (bench/mismatch_sources.py)
@@ -24,8 +26,8 @@
 set -u
 case ${1:-} in
 tests | kernel | copies | writes | loragen | lora | head | sources | memory) ;;
-bench | push | generate | frontier | dp | step) [ $# -ge 2 ] || { sed -n '2,23p' "$0"; exit 2; } ;;
-*) sed -n '2,23p' "$0"; exit 2 ;;
+bench | push | generate | frontier | dp | step | loratune) [ $# -ge 2 ] || { sed -n '2,25p' "$0"; exit 2; } ;;
+*) sed -n '2,25p' "$0"; exit 2 ;;
 esac
 # Every model is built locally (random weights, the tiny model): nothing needs the Hugging Face Hub.
 export TRL_TELEMETRY=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -135,6 +137,17 @@ loragen)
     python3 bench/lora_generate_variants.py --shape $shape --models "$models" --out "$out/lora_generate_variants_$shape.json" \
       > "$out/lora_generate_variants_$shape.txt" 2>&1
     grep -a -E "^\|" "$out/lora_generate_variants_$shape.txt"
+  done
+  ;;
+loratune)
+  for shape in "${@:2}"; do
+    python3 bench/lora_kernel_configs.py --shape $shape --out-dir "$out/lora_kernel_configs_$shape" \
+      > "$out/lora_kernel_configs_$shape.txt" 2>&1
+    tail -4 "$out/lora_kernel_configs_$shape.txt"
+    python3 bench/lora_generate_variants.py --shape $shape --variants lora merged lora-tuned --profile \
+      --tuned-configs "$out/lora_kernel_configs_$shape" --models "$models" --out "$out/lora_generate_tuned_$shape.json" \
+      > "$out/lora_generate_tuned_$shape.txt" 2>&1
+    grep -a -E "^\|" "$out/lora_generate_tuned_$shape.txt"
   done
   ;;
 lora)

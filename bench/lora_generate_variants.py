@@ -11,7 +11,8 @@ with a rank-16 adapter on every linear (random factors):
 - ``lora-specialize``: ``specialize_active_lora=True`` (the kernels' grid sized to the active adapters);
 - ``lora-dual-stream``: ``VLLM_LORA_ENABLE_DUAL_STREAM=1`` (the LoRA work on a second CUDA stream);
 - ``lora-splitk-N``: the shrink kernel's split of the input dimension set to N for decode batches
-  (vLLM's default for batches under 128 is 64) through ``VLLM_TUNED_CONFIG_FOLDER``.
+  (vLLM's default for batches under 128 is 64) through ``VLLM_TUNED_CONFIG_FOLDER``;
+- ``lora-tuned``: the tuned-config files that ``lora_kernel_configs.py`` wrote (``--tuned-configs DIR``).
 
 A variant this vLLM does not have fails alone and is reported as such. ``--profile`` (CUDA) runs one
 more batch under ``torch.profiler``: the device's kernel time against the batch's wall time (the rest is
@@ -20,6 +21,7 @@ spent on the device or between its launches.
 
     python bench/lora_generate_variants.py --shape 1.5B --out lora_generate_variants_1.5B.json
     python bench/lora_generate_variants.py --shape 7B --variants merged lora --profile
+    python bench/lora_generate_variants.py --shape 7B --variants merged lora lora-tuned --tuned-configs DIR
     python bench/lora_generate_variants.py --shape tiny --variants merged lora --batches 2   # CPU check
 """
 
@@ -151,6 +153,7 @@ def main() -> None:
     parser.add_argument("--out", default="lora_generate_variants.json")
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
     parser.add_argument("--profile", action="store_true", help="one more batch under torch.profiler (CUDA)")
+    parser.add_argument("--tuned-configs", help="lora-tuned's folder of vLLM tuned-config files")
     parser.add_argument("--child", nargs=4, metavar=("VARIANT", "MODEL", "ADAPTER", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -158,6 +161,8 @@ def main() -> None:
         variant, model_path, adapter, out = args.child
         Path(out).write_text(json.dumps(run_one(variant, model_path, adapter, args.batches, args.profile)))
         return
+    if "lora-tuned" in args.variants and not args.tuned_configs:
+        parser.error("lora-tuned generates with the configs of --tuned-configs DIR (see lora_kernel_configs.py)")
     if args.profile:
         import torch
 
@@ -180,6 +185,8 @@ def main() -> None:
             folder.mkdir()
             write_shrink_config(folder, int(variant.removeprefix("lora-splitk-")))
             env["VLLM_TUNED_CONFIG_FOLDER"] = str(folder)
+        if variant == "lora-tuned":
+            env["VLLM_TUNED_CONFIG_FOLDER"] = str(Path(args.tuned_configs).resolve())
         out = scratch / f"{variant}.json"
         command = [sys.executable, __file__, "--batches", str(args.batches), *["--profile"] * args.profile]
         command += ["--child", variant, model_path]
