@@ -124,16 +124,30 @@ def fastest(calls: LoRACalls, op: str, grid: dict[str, list]) -> dict:
     return min(timed, key=lambda pair: pair[0])[1]
 
 
+def table_keys(op: str, fan_in: int, slices: list[int]) -> tuple[int, int, int]:
+    """(slices, K, N) under which vLLM looks up ``op``'s config for one packed linear: the shrink maps the
+    input width to the rank, the expand the rank to the widest slice."""
+    return (len(slices), fan_in, RANK) if op == "shrink" else (len(slices), RANK, max(slices))
+
+
+def vllm_default(op: str, batch: int, slices: int, k: int, n: int) -> dict:
+    """vLLM's own config for ``op`` at these keys (no tuned-config folder is set in this process)."""
+    from vllm.lora.ops.triton_ops.utils import get_lora_op_configs
+
+    hidden, rank = (k, n) if op == "shrink" else (n, k)
+    # max_loras counts the no-adapter slot, as vLLM's kernels pass it.
+    return get_lora_op_configs(op, 2, batch, hidden, rank, slices, add_inputs=True if op == "expand" else None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1.5B", choices=sorted(QWEN25))
     parser.add_argument("--tokens", type=int, default=64, help="decode batch: sequences generated together")
     parser.add_argument("--out-dir", default="lora_kernel_configs", help="where the tuned-config files go")
     args = parser.parse_args()
-    from vllm.lora.ops.triton_ops.utils import get_lora_op_configs
 
     layers = QWEN25[args.shape]["num_hidden_layers"]
-    chosen: dict[str, dict] = {"shrink": {}, "expand": {}}
+    chosen: dict[str, dict[tuple[int, int, int], dict]] = {"shrink": {}, "expand": {}}
     default_total = best_total = 0.0
     # vLLM caches each weight list's pointer table by the tensors' addresses: every linear's tensors stay
     # alive to the end, so that none is allocated where an earlier one's table still points.
@@ -148,12 +162,11 @@ def main() -> None:
         best_total += min(best_s, default_s)
         print(f"{args.shape} {name}, {layers} layers: {default_s * 1e3:.3f} ms with vLLM's defaults, ", end="")
         print(f"{best_s * 1e3:.3f} ms with shrink {best['shrink']} and expand {best['expand']}", flush=True)
-        # Every linear gets an entry, vLLM's default where the search found nothing faster: vLLM takes the
-        # nearest entry, and another linear's would stand in for a missing one.
-        if best_s >= default_s:
-            best = {op: get_lora_op_configs(*lookup(op, fan_in, slices, args.tokens)) for op in best}
-        chosen["shrink"].setdefault(str(len(slices)), {})[str(fan_in)] = {str(RANK): best["shrink"]}
-        chosen["expand"].setdefault(str(len(slices)), {})[str(RANK)] = {str(max(slices)): best["expand"]}
+        for op, config in best.items():
+            keys = table_keys(op, fan_in, slices)
+            # Every linear gets an entry, vLLM's default where the search found nothing faster: vLLM takes the
+            # nearest entry, and another linear's would stand in for a missing one.
+            chosen[op][keys] = config if best_s < default_s else vllm_default(op, args.tokens, *keys)
     print()
     print(f"{args.shape}, {args.tokens} tokens a decode step: the LoRA kernels take {default_total * 1e3:.3f} ms with ")
     print(f"vLLM's defaults and {best_total * 1e3:.3f} ms with the best configs found: ")
@@ -161,34 +174,19 @@ def main() -> None:
     write_tuned_configs(Path(args.out_dir), chosen, args.tokens)
 
 
-def lookup(op: str, fan_in: int, slices: list[int], tokens: int) -> tuple:
-    """``get_lora_op_configs``'s arguments for ``op`` on one packed linear, as vLLM's kernels pass them
-    (``max_loras`` counts the no-adapter slot)."""
-    hidden, rank = (fan_in, RANK) if op == "shrink" else (max(slices), RANK)
-    return (op, 2, tokens, hidden, rank, len(slices), True if op == "expand" else None)
-
-
-def write_tuned_configs(directory: Path, chosen: dict[str, dict], tokens: int) -> None:
+def write_tuned_configs(directory: Path, chosen: dict[str, dict[tuple[int, int, int], dict]], tokens: int) -> None:
     """vLLM's tuned-config files for this GPU: the configs chosen for decode batches up to ``tokens``, vLLM's
     defaults for larger batches (prefill), keyed [max_loras + 1][slices][batch][K][N] as vLLM reads them."""
-    from vllm.lora.ops.triton_ops.utils import get_lora_op_configs
-
     directory.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")
-    for op, by_slices in chosen.items():
-        table: dict = {"2": {}}
-        for slices, by_k in by_slices.items():
-            for k, by_n in by_k.items():
-                for n, config in by_n.items():
-                    hidden, rank = (int(k), int(n)) if op == "shrink" else (int(n), int(k))
-                    for batch in (2**i for i in range(14)):
-                        default = get_lora_op_configs(
-                            op, 2, batch, hidden, rank, int(slices), True if op == "expand" else None
-                        )
-                        entry = table["2"].setdefault(slices, {}).setdefault(str(batch), {}).setdefault(k, {})
-                        entry[n] = config if batch <= tokens else default
+    for op, by_keys in chosen.items():
+        table: dict = {}
+        for (slices, k, n), config in by_keys.items():
+            for batch in (2**i for i in range(14)):
+                entry = config if batch <= tokens else vllm_default(op, batch, slices, k, n)
+                table.setdefault(str(slices), {}).setdefault(str(batch), {}).setdefault(str(k), {})[str(n)] = entry
         name = f"{gpu}_SHRINK.json" if op == "shrink" else f"{gpu}_EXPAND_TRUE.json"
-        (directory / name).write_text(json.dumps(table, indent=1))
+        (directory / name).write_text(json.dumps({"2": table}, indent=1))
         print(f"wrote {directory / name}")
 
 
