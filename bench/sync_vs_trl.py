@@ -494,13 +494,13 @@ def run_one(
         def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
             current.clear()
             current["start"] = time.perf_counter()
-            current["alloc_retries"] = -alloc_retries()
+            current["alloc_retries_before"] = alloc_retries()
 
         def on_step_end(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
             if cuda:
                 torch.cuda.synchronize()
             current["step_s"] = time.perf_counter() - current.pop("start")
-            current["alloc_retries"] += alloc_retries()
+            current["alloc_retries"] = alloc_retries() - current.pop("alloc_retries_before")
             add_push_s()
             current["train_device_gib"] = device_used_gib()
             step_log.append(dict(current))
