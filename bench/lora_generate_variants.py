@@ -113,6 +113,8 @@ def run_one(variant: str, model_path: str, adapter: str, batches: int, profile: 
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
+    from colocate_grpo.engine import lora_engine_arguments
+
     lora = variant != "merged"
     tiny = "tiny" in model_path
     completion_tokens = 4 if tiny else COMPLETION_TOKENS
@@ -125,7 +127,7 @@ def run_one(variant: str, model_path: str, adapter: str, batches: int, profile: 
         max_model_len=None if tiny else 512 + COMPLETION_TOKENS,
         max_num_seqs=PROMPTS * GENERATIONS,
         seed=0,
-        **(dict(enable_lora=True, max_lora_rank=RANK, max_loras=1, max_cpu_loras=1) if lora else {}),
+        **(lora_engine_arguments(RANK) if lora else {}),  # as colocate_grpo's engine starts it
         **({"specialize_active_lora": True} if variant == "lora-specialize" else {}),
     )
     start_s = time.perf_counter() - started

@@ -184,7 +184,7 @@ class Engine:
                 trust_remote_code=trust_remote_code,
                 seed=seed,
                 kv_cache_memory_bytes=kv_cache_bytes,
-                **_lora_arguments(max_lora_rank),
+                **lora_engine_arguments(max_lora_rank),
                 # One engine per rank, in this process, on this rank's device, in the launcher's process group.
                 **({"distributed_executor_backend": "external_launcher"} if self.ranks > 1 else {}),
                 **({"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}),
@@ -709,7 +709,7 @@ def engine_lora_rank(rank: int) -> int:
     raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got {rank}.")
 
 
-def _lora_arguments(max_lora_rank: int | None) -> dict[str, Any]:
+def lora_engine_arguments(max_lora_rank: int | None) -> dict[str, Any]:
     """vLLM's arguments for one served adapter: one slot on the device and one in host memory."""
     if max_lora_rank is None:
         return {}
