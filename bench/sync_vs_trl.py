@@ -328,7 +328,13 @@ def take_device_memory(card_gib: float) -> object:
 
 
 def run_one(
-    kind: str, model_path: str, steps: int, tiny: bool, card_gib: float | None = None, micro_batch: int = 64
+    kind: str,
+    model_path: str,
+    steps: int,
+    tiny: bool,
+    card_gib: float | None = None,
+    micro_batch: int = 64,
+    repeat_syncs: int = 10,
 ) -> dict:
     """One training run in this process; returns its measurements."""
 
@@ -524,7 +530,7 @@ def run_one(
     # More syncs from the same state the loop syncs from: asleep at level 2, weights discarded.
     repeat_sync_s, repeat_push_s = [], []
     executor = generation.llm.llm_engine.model_executor
-    for _ in range(10):
+    for _ in range(repeat_syncs):
         asleep = sorted(getattr(executor, "sleeping_tags", ()))
         if asleep:  # vLLM ignores sleep() unless every tag is awake (and fails to wake an awake tag)
             generation.llm.wake_up(tags=asleep)
@@ -538,7 +544,7 @@ def run_one(
     # The adapter's push when the engine kept its base weights (a level-1 sleep): the adapter alone.
     repeat_adapter_push_s = []
     if cuda and getattr(generation, "serve_adapter", False):
-        for _ in range(10):
+        for _ in range(repeat_syncs):
             asleep = sorted(getattr(executor, "sleeping_tags", ()))
             if asleep:
                 generation.llm.wake_up(tags=asleep)
@@ -612,6 +618,12 @@ def main() -> None:
         "generation_batch / micro_batch accumulation steps",
     )
     parser.add_argument(
+        "--repeat-syncs",
+        type=int,
+        default=10,
+        help="syncs timed again after training (stock TRL's merge into a 4-bit 7B base takes seconds each)",
+    )
+    parser.add_argument(
         "--together",
         action="store_true",
         help="run a shape's kinds side by side on the device (for the mismatch over a long run, not for times)",
@@ -623,11 +635,19 @@ def main() -> None:
     if args.child:
         kind, model_path, out = args.child
         result = run_one(
-            kind, model_path, args.steps, "tiny" in model_path, card_gib=args.card_gib, micro_batch=args.micro_batch
+            kind,
+            model_path,
+            args.steps,
+            "tiny" in model_path,
+            card_gib=args.card_gib,
+            micro_batch=args.micro_batch,
+            repeat_syncs=args.repeat_syncs,
         )
         Path(out).write_text(json.dumps(result))
         return
 
+    if args.repeat_syncs < 1:
+        parser.error("--repeat-syncs: at least 1 (the sync's time is their median)")
     if args.together and args.card_gib:
         parser.error("--together shares the device between the runs: it cannot also simulate a card (--card-gib)")
     results = []
@@ -641,7 +661,8 @@ def main() -> None:
             command = [sys.executable, __file__, "--steps", str(args.steps), "--child", kind, model_path, str(out)]
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
-            commands[kind] = [*command, "--micro-batch", str(args.micro_batch)]
+            command += ["--micro-batch", str(args.micro_batch), "--repeat-syncs", str(args.repeat_syncs)]
+            commands[kind] = command
         if args.together:
             for kind, (returncode, tail) in run_children_together(commands, Path(args.models)).items():
                 record(results, shape, kind, returncode, tail, outs[kind], args.out)
