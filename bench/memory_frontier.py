@@ -3,11 +3,13 @@
 For each shape (random-weight Qwen2.5 models) and each ``user*`` kind of ``sync_vs_trl.py`` (the
 plain config a user writes, plus the one key that picks how the policy is served), the run is tried
 on simulated cards of increasing size (all but N GiB of the device taken by one allocation before
-the run), smallest first; the first card it runs on ends the search, as every larger card runs it
-too. A card the run's memory plan refuses (as ``colocate_grpo`` would, before the model loads)
-counts as not running, with the plan's numbers, and starts no process. Each attempt is one
-``sync_vs_trl.py`` process of a few steps. Stock TRL's row (``--stock``) runs at the same
-settings, where it runs; the plan does not cover it, so each of its cards is tried.
+the run). A run on one card implies a run on every larger one, and a failure failures on every
+smaller one, so the search ends when no card is left between the largest that failed and the
+smallest that ran. Ours is tried smallest first; a card the run's memory plan refuses (as
+``colocate_grpo`` would, before the model loads) counts as not running, with the plan's numbers,
+and starts no process. Each attempt is one ``sync_vs_trl.py`` process of a few steps. Stock TRL's
+row (``--stock``) runs at the same settings; the plan does not cover it, and it needs the larger
+cards, so it is tried largest first.
 
 ``--plan-only`` prints the plan's side of the table without a GPU: the smallest card each plan
 fits. ``--resume`` keeps the rows ``--out`` already holds and searches only what they leave open,
@@ -93,10 +95,13 @@ def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: in
     return plan_memory(config, model, torch.bfloat16, free=card, total=card, longest_prompt=PROMPT_TOKENS)
 
 
-def searched(rows: list[dict], shape: str, kind: str, cards: list[float]) -> bool:
-    """Whether ``rows`` settle ``kind`` at ``shape``: it ran on one of ``cards``, or every card was tried."""
+def open_cards(rows: list[dict], shape: str, kind: str, cards: list[float]) -> list[float]:
+    """The ``cards`` (ascending) whose outcome for ``kind`` at ``shape`` the ``rows`` do not imply: those larger
+    than every card it failed on and smaller than every card it ran on."""
     tried = [r for r in rows if r["shape"] == shape and r["kind"] == kind]
-    return any(r["runs"] for r in tried) or {r["card_gib"] for r in tried} >= set(cards)
+    smallest_ran = min((r["card_gib"] for r in tried if r["runs"]), default=float("inf"))
+    largest_failed = max((r["card_gib"] for r in tried if not r["runs"]), default=float("-inf"))
+    return [card for card in sorted(cards) if largest_failed < card < smallest_ran]
 
 
 def print_plan_table(args: argparse.Namespace) -> None:
@@ -136,11 +141,8 @@ def main() -> None:
     rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
     for shape in args.shapes:
         for kind in [*args.kinds, *(["stock"] if args.stock else [])]:
-            if searched(rows, shape, kind, args.cards):
-                continue
-            for card in sorted(args.cards):
-                if any(r["shape"] == shape and r["kind"] == kind and r["card_gib"] == card for r in rows):
-                    continue
+            while left := open_cards(rows, shape, kind, args.cards):
+                card = left[-1] if kind == "stock" else left[0]
                 plan = None if kind == "stock" else planned(shape, kind, card, args.models, args.micro_batch)
                 if plan is None or plan.fits:
                     row = attempt(shape, kind, card, args.steps, args.models, args.micro_batch)
@@ -151,8 +153,6 @@ def main() -> None:
                 Path(args.out).write_text(json.dumps(rows, indent=1))
                 shown = f"step {row['step_s']:.2f} s" if row["runs"] else f"does not run: {row['reason'][:160]}"
                 print(f"{shape} {kind} on {card:g} GiB: {shown}", flush=True)
-                if row["runs"]:
-                    break
     print()
     print("| shape | kind | smallest card that runs it (GiB) | peak used of it (GiB) | step s there |")
     print("|---|---|---|---|---|")
@@ -160,7 +160,7 @@ def main() -> None:
         for kind in dict.fromkeys(r["kind"] for r in rows if r["shape"] == shape):
             ran = [r for r in rows if r["shape"] == shape and r["kind"] == kind and r["runs"]]
             if ran:
-                row = ran[0]
+                row = min(ran, key=lambda r: r["card_gib"])
                 print(f"| {shape} | {kind} | {row['card_gib']:g} | {row['card_used_gib']:.1f} | {row['step_s']:.2f} |")
             else:
                 print(f"| {shape} | {kind} | none of {', '.join(f'{c:g}' for c in sorted(args.cards))} | | |")
