@@ -54,8 +54,11 @@ def attempt(shape: str, kind: str, card_gib: float, steps: int, models: str, mic
     result = results[0] if results else {"failed": run.stderr[-2000:]}
     row = {"shape": shape, "kind": kind, "card_gib": card_gib}
     if "failed" in result:
-        reason = [line for line in result["failed"].splitlines() if line.strip()]
-        return {**row, "runs": False, "reason": reason[-1] if reason else f"exit {run.returncode}"}
+        lines = [line for line in result["failed"].splitlines() if line.strip()]
+        # The error's own line, not what the process printed while it exited (NCCL's teardown warning).
+        errors = [line for line in lines if "Error" in line and "Warning" not in line]
+        reason = (errors or lines or [f"exit {run.returncode}"])[-1]
+        return {**row, "runs": False, "reason": reason}
     return {
         **row,
         "runs": True,
