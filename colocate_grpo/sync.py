@@ -292,8 +292,10 @@ class MergedInPlace:
     def reserve(self, bases: list[torch.Tensor]) -> None:
         """With ``in_host_memory``, allocate the steps' host buffers of every base weight in ``bases`` that has
         none, as one allocation, page-locked on CUDA machines (:func:`_page_locked`)."""
+        if not self.in_host_memory:
+            return
         missing = [base for base in bases if base.data_ptr() not in self._host_steps]
-        if not self.in_host_memory or not missing:
+        if not missing:
             return
         buffer = _page_locked(self, sum(base.numel() for base in missing))
         for base, steps in zip(missing, buffer.split([base.numel() for base in missing]), strict=True):
