@@ -367,18 +367,16 @@ def merge_into_shared_base(
     if writes is None:
         raise RuntimeError("the engine's parameters do not map onto the trainer's tensors: nothing can be shared")
     sources = list(_to_send(writes.sources, include_frozen=False))
-    shared = [writes.views[source.name].rows.data_ptr() == source.param.data_ptr() for source in sources]
-
-    def merges(source: _Source) -> bool:
-        return source.layer is not None and lora_factors(source.layer) is not None
-
-    merged.reserve([source.param for source, same in zip(sources, shared, strict=True) if same and merges(source)])
+    # A tensor the engine holds apart is copied into it; a shared one with LoRA factors is merged in place.
+    shared = {s.name: writes.views[s.name].rows.data_ptr() == s.param.data_ptr() for s in sources}
+    copied = [s for s in sources if not shared[s.name]]
+    merging = [s for s in sources if shared[s.name] and s.layer is not None and lora_factors(s.layer) is not None]
+    merged.reserve([source.param for source in merging])
     with engine.writing_weights():
-        for source, same in zip(sources, shared, strict=True):
-            if not same:
-                source.value(stats, out=writes.views[source.name].rows)
-            elif merges(source):
-                merged.add(source.param, source.value(stats))
+        for source in copied:
+            source.value(stats, out=writes.views[source.name].rows)
+        for source in merging:
+            merged.add(source.param, source.value(stats))
 
 
 @torch.no_grad()
