@@ -88,6 +88,7 @@ def _plan_inputs(shape: str, kind: str, models: str, micro_batch: int) -> tuple[
 
 def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: int) -> MemoryPlan:
     """``colocate_grpo``'s memory plan for ``kind`` at ``shape`` on a card with ``card_gib`` GiB free."""
+    import psutil
     import torch
 
     from colocate_grpo.memory_plan import plan_memory
@@ -95,7 +96,15 @@ def planned(shape: str, kind: str, card_gib: float, models: str, micro_batch: in
     config, model = _plan_inputs(shape, kind, models, micro_batch)
     card = int(card_gib * 2**30)
     # The benchmark's prompts are PROMPT_TOKENS words of the word-level tokenizer: that many tokens each.
-    return plan_memory(config, model, torch.bfloat16, free=card, total=card, longest_prompt=PROMPT_TOKENS)
+    return plan_memory(
+        config,
+        model,
+        torch.bfloat16,
+        free=card,
+        total=card,
+        longest_prompt=PROMPT_TOKENS,
+        host_free=psutil.virtual_memory().available,
+    )
 
 
 def open_cards(rows: list[dict], shape: str, kind: str, cards: list[float]) -> list[float]:

@@ -352,9 +352,9 @@ class Overwritten:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes this record holds."""
+        """Bytes this record holds on the target's device (steps kept in host memory not counted)."""
         kept = (self.steps, self.outliers, self.outlier_bits, self.copy)
-        return sum(t.nbytes for t in kept if t is not None)
+        return sum(t.nbytes for t in kept if t is not None and t.device == self.target.device)
 
     @property
     def outlier_count(self) -> int:
@@ -384,11 +384,12 @@ class Overwritten:
         # The outliers first: their steps are 0, so an interrupt before the steps' add leaves a restore to redo.
         if self.outliers.numel():
             bits.view(-1).index_copy_(0, self.outliers, self.outlier_bits)
-        bits.add_(self.steps)  # wraps, as the subtraction that made the steps did
+        # Steps kept in (pinned) host memory cross to the device a tensor at a time, in stream order.
+        bits.add_(self.steps.to(bits.device, non_blocking=True))  # wraps, as the subtraction that made them did
 
 
 @torch.no_grad()
-def overwrite(target: torch.Tensor, value: torch.Tensor) -> Overwritten:
+def overwrite(target: torch.Tensor, value: torch.Tensor, steps_out: torch.Tensor | None = None) -> Overwritten:
     """Write ``value`` into ``target`` in place; the record returned restores ``target`` bitwise.
 
     For a merge into the weight it came from (``cast(W + s * B @ A)`` over W) the record takes about
@@ -397,6 +398,8 @@ def overwrite(target: torch.Tensor, value: torch.Tensor) -> Overwritten:
     Args:
         target: a contiguous float tensor (a base weight, or its rows of an engine's fused parameter).
         value: its new values, same shape; cast to ``target``'s dtype as ``copy_`` would.
+        steps_out: an int8 tensor of ``target``'s shape, on any device (pinned host memory, where the
+            device is short of a byte per value), that keeps the record's steps; reused, not read.
     """
     if not target.is_contiguous():
         raise ValueError("overwrite needs a contiguous target")
@@ -410,6 +413,8 @@ def overwrite(target: torch.Tensor, value: torch.Tensor) -> Overwritten:
         record = Overwritten(target, None, None, None, copy=old_bits.clone())
     else:
         steps.view(-1)[outliers] = 0
+        if steps_out is not None:
+            steps = steps_out.copy_(steps, non_blocking=True)
         record = Overwritten(target, steps, outliers, old_bits.view(-1)[outliers], copy=None)
     target.copy_(new)
     return record

@@ -11,6 +11,7 @@ of the device (``vllm.gpu_memory_utilization: auto``).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,8 @@ _NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
 _HEAD_TILE_TOKENS, _HEAD_TILE_VOCAB = 4096, 32768
 # Merged serving on a shared base records what each merge overwrote (colocate_grpo.lora.overwrite): a byte per merged
 # weight, and 10 for each weight whose change needs more. Room for 2% of them, where a long run's are far fewer.
-_MERGE_RECORD_BYTES_PER_WEIGHT = 1 + 0.02 * 10
+_MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT = 0.02 * 10
+_MERGE_RECORD_BYTES_PER_WEIGHT = 1 + _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT
 
 
 class MemoryPlanError(ConfigError):
@@ -189,7 +191,10 @@ class MemoryPlan:
         engine_weights: the engine's weights (the LoRA merged into them at every sync, unless the
             engine serves the adapter).
         merge_record: with merged serving on a shared base, what restores the base after each
-            generation (about a byte per merged weight).
+            generation (about a byte per merged weight), on the device.
+        merge_record_host: the record's byte per merged weight where it is kept in host memory
+            instead (the device would not hold it beside the rest); ``merge_record`` then counts only
+            the values whose change needs more than a byte, which stay on the device.
         kv_cache: the engine's KV cache, sized to the generation batch at full length.
         engine_runtime: vLLM's forward activations and, with CUDA graphs, the graphs' memory.
         activations: an estimate of training's activations for one micro-batch (not a bound).
@@ -200,6 +205,7 @@ class MemoryPlan:
     trainer_states: int
     engine_weights: int
     merge_record: int
+    merge_record_host: int
     kv_cache: int
     engine_runtime: int
     activations: int
@@ -221,6 +227,8 @@ class MemoryPlan:
         """One line: the parts in GiB, their sum, the free memory, and the activations estimate."""
         g = _gib
         record = f" + {g(self.merge_record)} merge record" if self.merge_record else ""
+        if self.merge_record_host:
+            record += f" ({g(self.merge_record_host)} more in host memory)"
         return (
             f"Memory plan: trainer {g(self.trainer_weights)} weights + {g(self.trainer_states)} gradients and "
             f"optimizer, engine {g(self.engine_weights)} weights{record} + {g(self.kv_cache)} KV cache + "
@@ -241,6 +249,7 @@ def plan_memory(
     free: int,
     total: int,
     longest_prompt: int | None = None,
+    host_free: int | None = None,
 ) -> MemoryPlan:
     """The run's memory plan on a device with ``free`` of ``total`` bytes.
 
@@ -248,9 +257,12 @@ def plan_memory(
         shape: the model's shape (:func:`model_shape`).
         dtype: the training dtype; the engine serves the same.
         longest_prompt: the dataset's longest prompt in tokens; None plans for max_prompt_length.
+        host_free: host memory available, in bytes. Where merged serving's record would not fit on the
+            device and its byte per merged weight fits in the host memory that loading the model leaves,
+            the plan keeps it there (``MemoryPlan.merge_record_host``). None: the device alone.
     """
     weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
-    record = 0
+    merged_weights = record = 0
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
@@ -258,24 +270,35 @@ def plan_memory(
         # merged serving the record that restores the base after each generation.
         trainer_weights, states = adapter, _TRAINING_COPIES * adapter
         if not config.serves_adapter:
-            record = int(sum(out * in_ for out, in_ in adapted) * _MERGE_RECORD_BYTES_PER_WEIGHT)
+            merged_weights = sum(out * in_ for out, in_ in adapted)
+            record = int(merged_weights * _MERGE_RECORD_BYTES_PER_WEIGHT)
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
     tokens = config.sequence_tokens(longest_prompt)
     kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, tokens, config.engine_max_model_len)
     runtime = engine_bytes(0, 0, cuda_graphs=not config.vllm.enforce_eager)
-    return MemoryPlan(
+    plan = MemoryPlan(
         trainer_weights=trainer_weights,
         trainer_states=states,
         engine_weights=weights,
         merge_record=record,
+        merge_record_host=0,
         kv_cache=kv,
         engine_runtime=runtime,
         activations=training_activation_bytes(config, shape, dtype, longest_prompt),
         free=free,
         total=total,
     )
+    if plan.fits or not merged_weights or host_free is None:
+        return plan
+    # The model passes through host memory as it loads (models.load_model): the record must fit beside it.
+    on_host = dataclasses.replace(
+        plan,
+        merge_record=int(merged_weights * _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT),
+        merge_record_host=merged_weights,
+    )
+    return on_host if on_host.fits and merged_weights + weights <= host_free else plan
 
 
 def _adapted(config: Config, name: str) -> bool:

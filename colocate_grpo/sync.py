@@ -10,6 +10,7 @@ the base back bitwise before the trainer computes again (:class:`MergedInPlace`)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine, ParameterView, Weights
 from colocate_grpo.lora import FactorsKey, Overwritten, RetainedUpdate, lora_factors, merged_weight, overwrite
+
+logger = logging.getLogger(__name__)
 
 
 def hf_name(peft_name: str) -> str:
@@ -270,19 +273,40 @@ class MergedInPlace:
     Empty when the trainer's weights are its own. The engine serves the merged weights until
     :meth:`restore`; the trainer must not compute in between (``ColocatedGeneration`` restores
     after every generation, and after a sync that fails part way).
+
+    Args:
+        in_host_memory: keep the records' steps (a byte per merged weight) in host memory, where the
+            device cannot hold them beside the engine (the memory plan decides). Each merge then copies
+            them to the host and each restore back, a weight at a time, into buffers allocated once
+            (:meth:`reserve`) and reused.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_host_memory: bool = False) -> None:
+        self.in_host_memory = in_host_memory
         self.records: dict[int, Overwritten] = {}  # by the base weight's address
+        self._host_steps: dict[int, torch.Tensor] = {}  # by the base weight's address: views of one host buffer
 
     def __bool__(self) -> bool:
         return bool(self.records)
+
+    def reserve(self, bases: list[torch.Tensor]) -> None:
+        """With ``in_host_memory``, allocate the steps' host buffers of every base weight in ``bases`` that has
+        none, as one allocation, page-locked on CUDA machines (:func:`_page_locked`)."""
+        if not self.in_host_memory:
+            return
+        missing = [base for base in bases if base.data_ptr() not in self._host_steps]
+        if not missing:
+            return
+        buffer = _page_locked(self, sum(base.numel() for base in missing))
+        for base, steps in zip(missing, buffer.split([base.numel() for base in missing]), strict=True):
+            self._host_steps[base.data_ptr()] = steps.view(base.shape)
 
     def add(self, base: torch.Tensor, merged: torch.Tensor) -> None:
         """Write ``merged`` into ``base`` in place, remembering how to undo it."""
         if base.data_ptr() in self.records:
             raise RuntimeError("this base weight is merged already: restore() it before merging again")
-        self.records[base.data_ptr()] = overwrite(base, merged)
+        self.reserve([base])
+        self.records[base.data_ptr()] = overwrite(base, merged, self._host_steps.get(base.data_ptr()))
 
     def original(self, base: torch.Tensor) -> torch.Tensor:
         """``base``'s values before its merge (``base`` itself where it was not merged)."""
@@ -303,6 +327,28 @@ class MergedInPlace:
             del self.records[key]
 
 
+def _page_locked(owner: object, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory (int8) that stays page-locked while ``owner`` lives, on CUDA machines.
+
+    Copies between the device and page-locked memory run at the link's speed and in stream order;
+    from ordinary memory they wait for the device. torch's pinned allocator rounds each allocation
+    up to a power of two (up to 2x a record of several GiB), so the pages of an ordinary tensor are
+    registered with the driver instead, which pins exactly what it holds.
+    """
+    buffer = torch.empty(nbytes, dtype=torch.int8)
+    if not torch.cuda.is_available() or not nbytes:
+        return buffer
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)) != 0:
+        logger.warning(
+            "Could not page-lock %.1f GiB of host memory: the merge record's copies will be slower.", nbytes / 2**30
+        )
+        return buffer
+    # The finalizer holds the buffer, so its pages are unregistered before they are freed.
+    weakref.finalize(owner, lambda locked: cudart.cudaHostUnregister(locked.data_ptr()), buffer)
+    return buffer
+
+
 @torch.no_grad()
 def merge_into_shared_base(
     model: torch.nn.Module, engine: Engine, merged: MergedInPlace, stats: RetainedUpdate | None = None
@@ -320,13 +366,17 @@ def merge_into_shared_base(
     writes = _in_place_writes(model, engine, merge=True)
     if writes is None:
         raise RuntimeError("the engine's parameters do not map onto the trainer's tensors: nothing can be shared")
+    sources = list(_to_send(writes.sources, include_frozen=False))
+    # A tensor the engine holds apart is copied into it; a shared one with LoRA factors is merged in place.
+    shared = {s.name: writes.views[s.name].rows.data_ptr() == s.param.data_ptr() for s in sources}
+    copied = [s for s in sources if not shared[s.name]]
+    merging = [s for s in sources if shared[s.name] and s.layer is not None and lora_factors(s.layer) is not None]
+    merged.reserve([source.param for source in merging])
     with engine.writing_weights():
-        for source in _to_send(writes.sources, include_frozen=False):
-            rows = writes.views[source.name].rows
-            if rows.data_ptr() != source.param.data_ptr():
-                source.value(stats, out=rows)
-            elif source.layer is not None and lora_factors(source.layer) is not None:
-                merged.add(source.param, source.value(stats))
+        for source in copied:
+            source.value(stats, out=writes.views[source.name].rows)
+        for source in merging:
+            merged.add(source.param, source.value(stats))
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import yaml
 from transformers.trainer_callback import ProgressCallback
 
@@ -208,6 +209,7 @@ def build_trainer(
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
             serve_adapter=config.serves_adapter,
             sequence_tokens=config.sequence_tokens(inputs.longest_prompt),
+            merge_record_in_host_memory=plan is not None and plan.merge_record_host > 0,
         )
     metrics.context["served_as"] = trainer.served_as
     if is_main_process():
@@ -245,7 +247,8 @@ def plan_device_memory(
     if shape is None:
         return None
     free, total = torch.cuda.mem_get_info()
-    plan = plan_memory(config, shape, dtype, free, total, longest_prompt)
+    host_free = psutil.virtual_memory().available
+    plan = plan_memory(config, shape, dtype, free, total, longest_prompt, host_free=host_free)
     if not plan.fits:
         raise MemoryPlanError(refusal(plan, config))
     if is_main_process():

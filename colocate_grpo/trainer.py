@@ -125,12 +125,14 @@ class ColocatedGeneration(VLLMGeneration):
         engine_factory: Callable[[VLLMGeneration], Engine],
         serve_adapter: bool,
         shared_base_bytes: int = 0,
+        merge_record_in_host_memory: bool = False,
         **kwargs: Any,
     ) -> None:
         self._engine_factory = engine_factory
         self.serve_adapter = serve_adapter
         self.shared_base_bytes = shared_base_bytes  # the trainer's base weights given up for the engine's
-        self.merged_in_place = MergedInPlace()  # base weights merged for the engine, until restored
+        # Base weights merged for the engine, until restored.
+        self.merged_in_place = MergedInPlace(in_host_memory=merge_record_in_host_memory)
         self.merge_check: MergeCheck | None = None
         self.clock = PhaseClock()
         kwargs["enable_sleep_mode"] = False
@@ -250,6 +252,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
             instead of merged weights. Needs a PEFT LoRA model without merge-aware layers.
         sequence_tokens: the tokens a generated sequence takes at most (the dataset's longest prompt plus
             ``max_completion_length``), which sizes the KV cache; None sizes it for ``max_model_len``.
+        merge_record_in_host_memory: with merged serving on a shared base, keep the record that restores
+            the base (a byte per merged weight) in host memory (:class:`~colocate_grpo.sync.MergedInPlace`).
 
     A PEFT model's frozen base weights become the engine's (:mod:`colocate_grpo.shared_base`) where
     their layouts line up: the device holds one copy, and the engine's KV cache sleeps alone.
@@ -272,6 +276,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
         merge_check_interval: int = 50,
         serve_adapter: bool = False,
         sequence_tokens: int | None = None,
+        merge_record_in_host_memory: bool = False,
         **kwargs: Any,
     ) -> None:
         options = vllm_options or VLLMConfig()
@@ -333,6 +338,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
             engine_factory=lambda generation: build_engine(generation.model),
             serve_adapter=serve_adapter,
             shared_base_bytes=shared_base_bytes,
+            merge_record_in_host_memory=merge_record_in_host_memory,
         )
         try:
             with _generation_class(generation):

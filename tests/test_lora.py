@@ -239,6 +239,20 @@ def test_a_merge_written_in_place_is_undone_bitwise(dtype):
     assert torch.equal(bits(weight), bits(before))
 
 
+def test_a_merge_record_kept_in_a_reused_buffer_restores_bitwise_each_time():
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) * 0.02).to(torch.bfloat16)
+    before = weight.clone()
+    buffer = torch.full((96, 64), 7, dtype=torch.int8)  # stale contents, as after an earlier merge
+    for scale in (1e-3, 3e-3):  # two merges through the same buffer, as two syncs
+        merged = merged_weight(weight, torch.randn(8, 64) * 1e-2, torch.randn(96, 8) * scale, 2.0)
+        record = overwrite(weight, merged, steps_out=buffer)
+        assert record.steps.data_ptr() == buffer.data_ptr() and torch.equal(bits(weight), bits(merged))
+        assert torch.equal(bits(record.original()), bits(before))
+        record.restore()
+        assert torch.equal(bits(weight), bits(before))
+
+
 def test_a_bf16_merge_record_takes_about_a_byte_a_weight_and_a_copy_at_most():
     torch.manual_seed(0)
     weight = (torch.randn(512, 256) * 0.02).to(torch.bfloat16)

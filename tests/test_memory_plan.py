@@ -133,3 +133,24 @@ def test_the_fp32_head_adds_its_working_memory_to_the_activations():
     hidden_and_gradient = 2 * completion * 1536 * 4
     assert fp32.activations - bf16.activations == fp32_tile + head_tile_copy + hidden_and_gradient - bf16_tile
     assert fp32.generation_peak == bf16.generation_peak  # the engine's fp32 logits are in its runtime margin
+
+
+def test_a_merge_record_the_device_cannot_hold_goes_to_host_memory_where_it_fits():
+    config = load_config({})
+    merged_weights = 1536 * 1536 + 8960 * 1536
+    on_device = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    short = on_device.generation_peak - on_device.merge_record // 2  # the record does not fit; its outliers would
+    on_host = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short, host_free=64 * GIB)
+    assert on_host.fits and on_host.merge_record_host == merged_weights
+    assert on_host.merge_record == int(merged_weights * 0.2)  # the values a byte cannot record stay on the device
+    assert "more in host memory" in on_host.summary()
+    # A host without room beside the model as it loads, or no host figure at all: the device's plan, refused.
+    host_free = 1_500_000_000 * 2 + merged_weights - 1
+    cramped = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short, host_free=host_free)
+    unknown = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short)
+    for plan in (cramped, unknown):
+        assert not plan.fits and plan.merge_record_host == 0 and plan.merge_record == on_device.merge_record
+    # A device that holds the record keeps it there; adapter serving has none.
+    assert plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, host_free=64 * GIB) == on_device
+    adapter = load_config({"trl": {"vllm_lora_sync": True}})
+    assert plan_memory(adapter, SHAPE, torch.bfloat16, free=short, total=short, host_free=64 * GIB).merge_record == 0

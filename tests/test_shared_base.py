@@ -9,8 +9,10 @@ from test_interrupts import InterruptTraining, interrupt_generation, interrupt_s
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import colocate_grpo.adapters as adapters
+import colocate_grpo.train as train_module
 from colocate_grpo.config import load_config
 from colocate_grpo.engine import Weights
+from colocate_grpo.memory_plan import GIB, MemoryPlan
 from colocate_grpo.shared_base import frozen_base, shares_base_weights
 from colocate_grpo.sync import hf_name, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path, train
@@ -137,3 +139,53 @@ def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_res
     assert [step for step, _ in resumed.metrics.series("reward")][-1] == 3
     assert all(value == 1.0 for _, value in resumed.metrics.series(SERVED_CHECK[serving]))
     assert at_end and all(torch.equal(p, reference[name]) for name, p in at_end[0].items())
+
+
+@pytest.fixture
+def record_in_host_memory(monkeypatch):
+    """A memory plan that keeps merged serving's record in host memory, as on a GPU short of a byte a merged weight."""
+    plan = MemoryPlan(
+        trainer_weights=0,
+        trainer_states=0,
+        engine_weights=0,
+        merge_record=0,
+        merge_record_host=1,
+        kv_cache=0,
+        engine_runtime=0,
+        activations=0,
+        free=GIB,
+        total=GIB,
+    )
+    monkeypatch.setattr(train_module, "plan_device_memory", lambda *args, **kwargs: plan)
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_a_merge_record_in_host_memory_serves_and_restores_the_shared_base(
+    tmp_path, monkeypatch, record_in_host_memory, interrupted
+):
+    trainer = build_trainer(shared_config(tmp_path, "merged"))
+    generation = trainer.vllm_generation
+    assert generation.merged_in_place.in_host_memory
+    reference = checkpoint_base(trainer)
+    if interrupted:
+        interrupt_sync(trainer, monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        assert_base_is_the_checkpoints(trainer, reference)
+        return
+    trainer.train()
+    assert_base_is_the_checkpoints(trainer, reference)
+    assert trainer.metrics.series(SERVED_CHECK["merged"]) == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    layer = next(m for m in trainer.model.modules() if hasattr(m, "merge_dtype"))
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=1e-3)  # an update a few units in the last place wide
+    generation.sync_weights()
+    base = layer.base_layer.weight
+    record = generation.merged_in_place.records[base.data_ptr()]
+    # The steps are in the host buffer the first sync allocated, reused, on a GPU pinned.
+    host = generation.merged_in_place._host_steps[base.data_ptr()]
+    assert record.steps is host and host.device.type == "cpu" and host.is_pinned() == torch.cuda.is_available()
+    assert host.abs().max() > 0
+    assert served_weight_mismatches(trainer.model, trainer.engine, generation.merged_in_place) == []
+    generation.merged_in_place.restore()
+    assert_base_is_the_checkpoints(trainer, reference)
