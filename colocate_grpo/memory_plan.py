@@ -259,7 +259,8 @@ def plan_memory(
         longest_prompt: the dataset's longest prompt in tokens; None plans for max_prompt_length.
         host_free: host memory available, in bytes. Where merged serving's record would not fit on the
             device and its byte per merged weight fits in the host memory that loading the model leaves,
-            the plan keeps it there (``MemoryPlan.merge_record_host``). None: the device alone.
+            the plan keeps it there (``MemoryPlan.merge_record_host``), also when the device is short even
+            so. None: the device alone.
     """
     weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
     merged_weights = record = 0
@@ -298,7 +299,8 @@ def plan_memory(
         merge_record=int(merged_weights * _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT),
         merge_record_host=merged_weights,
     )
-    return on_host if on_host.fits and merged_weights + weights <= host_free else plan
+    # Where neither fits, the refusal states the smaller need: the one that a larger card would meet.
+    return on_host if merged_weights + weights <= host_free else plan
 
 
 def _adapted(config: Config, name: str) -> bool:

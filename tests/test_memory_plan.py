@@ -144,6 +144,11 @@ def test_a_merge_record_the_device_cannot_hold_goes_to_host_memory_where_it_fits
     assert on_host.fits and on_host.merge_record_host == merged_weights
     assert on_host.merge_record == int(merged_weights * 0.2)  # the values a byte cannot record stay on the device
     assert "more in host memory" in on_host.summary()
+    # A device short even so: refused with the host plan's need, the smaller one.
+    tiny = short // 2
+    refused = plan_memory(config, SHAPE, torch.bfloat16, free=tiny, total=tiny, host_free=64 * GIB)
+    assert not refused.fits and refused.merge_record_host == merged_weights
+    assert refused.generation_peak == on_host.generation_peak < on_device.generation_peak
     # A host without room beside the model as it loads, or no host figure at all: the device's plan, refused.
     host_free = 1_500_000_000 * 2 + merged_weights - 1
     cramped = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short, host_free=host_free)
