@@ -158,6 +158,9 @@ def main() -> None:
                 plan = None if kind == "stock" else planned(shape, kind, card, args.models, args.micro_batch)
                 if plan is None or plan.fits:
                     row = attempt(shape, kind, card, args.steps, args.models, args.micro_batch)
+                    if plan is not None:
+                        row["planned_gib"] = plan.generation_peak / 2**30
+                        row["planned_host_gib"] = plan.merge_record_host / 2**30
                 else:
                     reason = f"refused by the memory plan: {plan.summary()}"
                     row = {"shape": shape, "kind": kind, "card_gib": card, "runs": False, "reason": reason}
@@ -166,16 +169,28 @@ def main() -> None:
                 shown = f"step {row['step_s']:.2f} s" if row["runs"] else f"does not run: {row['reason'][:160]}"
                 print(f"{shape} {kind} on {card:g} GiB: {shown}", flush=True)
     print()
-    print("| shape | kind | smallest card that runs it (GiB) | peak used of it (GiB) | step s there |")
-    print("|---|---|---|---|---|")
+    print("| shape | kind | smallest card that runs it (GiB) | peak used of it (GiB) | plan's peak (GiB) | step s |")
+    print("|---|---|---|---|---|---|")
     for shape in args.shapes:
         for kind in dict.fromkeys(r["kind"] for r in rows if r["shape"] == shape):
             ran = [r for r in rows if r["shape"] == shape and r["kind"] == kind and r["runs"]]
             if ran:
                 row = min(ran, key=lambda r: r["card_gib"])
-                print(f"| {shape} | {kind} | {row['card_gib']:g} | {row['card_used_gib']:.1f} | {row['step_s']:.2f} |")
+                print(
+                    f"| {shape} | {kind} | {row['card_gib']:g} | {row['card_used_gib']:.1f} | {_planned(row)} "
+                    f"| {row['step_s']:.2f} |"
+                )
             else:
-                print(f"| {shape} | {kind} | none of {', '.join(f'{c:g}' for c in sorted(args.cards))} | | |")
+                print(f"| {shape} | {kind} | none of {', '.join(f'{c:g}' for c in sorted(args.cards))} | | | |")
+
+
+def _planned(row: dict) -> str:
+    """The plan's peak on the device for a row that ran, with what it keeps in host memory; blank for stock
+    TRL's rows (the plan does not cover them) and rows recorded before the plan's peak was."""
+    if "planned_gib" not in row:
+        return ""
+    host = row.get("planned_host_gib", 0)
+    return f"{row['planned_gib']:.1f}" + (f" (+{host:.1f} in host memory)" if host else "")
 
 
 if __name__ == "__main__":
