@@ -263,7 +263,7 @@ def plan_memory(
             so. None: the device alone.
     """
     weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
-    merged_weights = record = 0
+    record = 0
     if config.adapter == "lora":
         adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
         adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
@@ -271,8 +271,7 @@ def plan_memory(
         # merged serving the record that restores the base after each generation.
         trainer_weights, states = adapter, _TRAINING_COPIES * adapter
         if not config.serves_adapter:
-            merged_weights = sum(out * in_ for out, in_ in adapted)
-            record = int(merged_weights * _MERGE_RECORD_BYTES_PER_WEIGHT)
+            record = int(sum(out * in_ for out, in_ in adapted) * _MERGE_RECORD_BYTES_PER_WEIGHT)
     else:
         trainer_weights, states = weights, _TRAINING_COPIES * weights
     max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
@@ -291,16 +290,26 @@ def plan_memory(
         free=free,
         total=total,
     )
-    if plan.fits or not merged_weights or host_free is None:
+    if plan.fits or not record or host_free is None:
         return plan
-    # The model passes through host memory as it loads (models.load_model): the record must fit beside it.
-    on_host = dataclasses.replace(
+    # Where neither fits, the refusal states the smaller need: the one that a larger card would meet.
+    return _record_on_host(plan) if _host_bytes_for_record(plan) <= host_free else plan
+
+
+def _record_on_host(plan: MemoryPlan) -> MemoryPlan:
+    """``plan`` with its merge record's byte per merged weight in host memory, the outliers on the device."""
+    merged_weights = round(plan.merge_record / _MERGE_RECORD_BYTES_PER_WEIGHT)
+    return dataclasses.replace(
         plan,
         merge_record=int(merged_weights * _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT),
         merge_record_host=merged_weights,
     )
-    # Where neither fits, the refusal states the smaller need: the one that a larger card would meet.
-    return on_host if merged_weights + weights <= host_free else plan
+
+
+def _host_bytes_for_record(plan: MemoryPlan) -> int:
+    """Host memory that keeping ``plan``'s merge record there needs: the model passes through host memory
+    as it loads (models.load_model), and the record must fit beside it."""
+    return _record_on_host(plan).merge_record_host + plan.engine_weights
 
 
 def _adapted(config: Config, name: str) -> bool:
@@ -364,6 +373,15 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
         ]
     if not config.vllm.enforce_eager:
         fixes.append(f"'vllm.enforce_eager: true' (saves the graphs' {_gib(CUDA_GRAPH_BYTES)} GiB, decodes slower)")
+    if plan.merge_record and not plan.merge_record_host and _record_on_host(plan).fits:
+        # The plan kept the record on the device because the host had no room for it.
+        on_host = _record_on_host(plan)
+        fixes.insert(
+            0,
+            f"{_gib(_host_bytes_for_record(plan))} GiB of available host memory (the merge record's "
+            f"{_gib(on_host.merge_record_host)} GiB would wait there, beside the model's weights as they load, and "
+            f"the device would need {_gib(on_host.generation_peak)} GiB)",
+        )
     short = plan.generation_peak - plan.free
     return (
         f"This run needs {_gib(plan.generation_peak)} GiB on the device while the engine generates, "

@@ -155,6 +155,11 @@ def test_a_merge_record_the_device_cannot_hold_goes_to_host_memory_where_it_fits
     unknown = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short)
     for plan in (cramped, unknown):
         assert not plan.fits and plan.merge_record_host == 0 and plan.merge_record == on_device.merge_record
+    # The refusal says what host memory would let the run start, and the device's need then.
+    message = refusal(cramped, config)
+    needed = f"{(merged_weights + on_device.engine_weights) / GIB:.1f} GiB of available host memory"
+    assert needed in message and f"device would need {on_host.generation_peak / GIB:.1f} GiB" in message
+    assert "host memory" not in refusal(refused, config).split("Fixes:")[1]  # short of the device even so
     # A device that holds the record keeps it there; adapter serving has none.
     assert plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, host_free=64 * GIB) == on_device
     adapter = load_config({"trl": {"vllm_lora_sync": True}})
