@@ -373,9 +373,9 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
         ]
     if not config.vllm.enforce_eager:
         fixes.append(f"'vllm.enforce_eager: true' (saves the graphs' {_gib(CUDA_GRAPH_BYTES)} GiB, decodes slower)")
-    if plan.merge_record and not plan.merge_record_host and _record_on_host(plan).fits:
+    on_host = _record_on_host(plan)
+    if plan.merge_record and not plan.merge_record_host and on_host.fits:
         # The plan kept the record on the device because the host had no room for it.
-        on_host = _record_on_host(plan)
         fixes.insert(
             0,
             f"{_gib(_host_bytes_for_record(plan))} GiB of available host memory (the merge record's "
