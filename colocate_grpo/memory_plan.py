@@ -292,8 +292,9 @@ def plan_memory(
     )
     if plan.fits or not record or host_free is None:
         return plan
+    on_host = _record_on_host(plan)
     # Where neither fits, the refusal states the smaller need: the one that a larger card would meet.
-    return _record_on_host(plan) if _host_bytes_for_record(plan) <= host_free else plan
+    return on_host if _host_bytes_for_record(on_host) <= host_free else plan
 
 
 def _record_on_host(plan: MemoryPlan) -> MemoryPlan:
@@ -306,10 +307,10 @@ def _record_on_host(plan: MemoryPlan) -> MemoryPlan:
     )
 
 
-def _host_bytes_for_record(plan: MemoryPlan) -> int:
-    """Host memory that keeping ``plan``'s merge record there needs: the model passes through host memory
-    as it loads (models.load_model), and the record must fit beside it."""
-    return _record_on_host(plan).merge_record_host + plan.engine_weights
+def _host_bytes_for_record(on_host: MemoryPlan) -> int:
+    """Host memory that a plan keeping its merge record there (``on_host``) needs: the model passes through
+    host memory as it loads (models.load_model), and the record must fit beside it."""
+    return on_host.merge_record_host + on_host.engine_weights
 
 
 def _adapted(config: Config, name: str) -> bool:
@@ -378,7 +379,7 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
         # The plan kept the record on the device because the host had no room for it.
         fixes.insert(
             0,
-            f"{_gib(_host_bytes_for_record(plan))} GiB of available host memory (the merge record's "
+            f"{_gib(_host_bytes_for_record(on_host))} GiB of available host memory (the merge record's "
             f"{_gib(on_host.merge_record_host)} GiB would wait there, beside the model's weights as they load, and "
             f"the device would need {_gib(on_host.generation_peak)} GiB)",
         )

@@ -3,6 +3,8 @@
 Merged serving merges into the shared base in place for each generation; the trainer must find the
 checkpoint's base bitwise after every step, and after an interrupt anywhere."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_interrupts import InterruptTraining, interrupt_generation, interrupt_sync
@@ -144,18 +146,8 @@ def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_res
 @pytest.fixture
 def record_in_host_memory(monkeypatch):
     """A memory plan that keeps merged serving's record in host memory, as on a GPU short of a byte a merged weight."""
-    plan = MemoryPlan(
-        trainer_weights=0,
-        trainer_states=0,
-        engine_weights=0,
-        merge_record=0,
-        merge_record_host=1,
-        kv_cache=0,
-        engine_runtime=0,
-        activations=0,
-        free=GIB,
-        total=GIB,
-    )
+    nothing = dict.fromkeys((field.name for field in dataclasses.fields(MemoryPlan)), 0)
+    plan = MemoryPlan(**{**nothing, "merge_record_host": 1, "free": GIB, "total": GIB})
     monkeypatch.setattr(train_module, "plan_device_memory", lambda *args, **kwargs: plan)
 
 
