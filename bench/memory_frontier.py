@@ -129,6 +129,27 @@ def print_plan_table(args: argparse.Namespace) -> None:
             print(f"| {shape} | {kind} | {card} | {peak} |")
 
 
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    """Each kind's smallest card that runs it, with the cards its search has not reached."""
+    print("| shape | kind | smallest card that runs it (GiB) | peak used of it (GiB) | plan's peak (GiB) | step s |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        for kind in dict.fromkeys(r["kind"] for r in rows if r["shape"] == shape):
+            tried = [r for r in rows if r["shape"] == shape and r["kind"] == kind]
+            left = open_cards(rows, shape, kind, args.cards)
+            unsearched = f" (not tried: {', '.join(f'{c:g}' for c in left)})" if left else ""
+            ran = [r for r in tried if r["runs"]]
+            if ran:
+                row = min(ran, key=lambda r: r["card_gib"])
+                print(
+                    f"| {shape} | {kind} | {row['card_gib']:g}{unsearched} | {row['card_used_gib']:.1f} "
+                    f"| {_planned(row)} | {row['step_s']:.2f} |"
+                )
+            else:
+                failed = ", ".join(f"{c:g}" for c in sorted(r["card_gib"] for r in tried))
+                print(f"| {shape} | {kind} | none of {failed}{unsearched} | | | |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1.5B", "3B", "7B", "14B"])
@@ -169,19 +190,7 @@ def main() -> None:
                 shown = f"step {row['step_s']:.2f} s" if row["runs"] else f"does not run: {row['reason'][:160]}"
                 print(f"{shape} {kind} on {card:g} GiB: {shown}", flush=True)
     print()
-    print("| shape | kind | smallest card that runs it (GiB) | peak used of it (GiB) | plan's peak (GiB) | step s |")
-    print("|---|---|---|---|---|---|")
-    for shape in args.shapes:
-        for kind in dict.fromkeys(r["kind"] for r in rows if r["shape"] == shape):
-            ran = [r for r in rows if r["shape"] == shape and r["kind"] == kind and r["runs"]]
-            if ran:
-                row = min(ran, key=lambda r: r["card_gib"])
-                print(
-                    f"| {shape} | {kind} | {row['card_gib']:g} | {row['card_used_gib']:.1f} | {_planned(row)} "
-                    f"| {row['step_s']:.2f} |"
-                )
-            else:
-                print(f"| {shape} | {kind} | none of {', '.join(f'{c:g}' for c in sorted(args.cards))} | | | |")
+    print_table(rows, args)
 
 
 def _planned(row: dict) -> str:
