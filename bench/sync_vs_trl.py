@@ -23,7 +23,8 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
     python bench/sync_vs_trl.py --shapes 7B --kinds user --card-gib 40   # as on a 40 GiB card
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
     python bench/sync_vs_trl.py --shapes 1.5B --kinds stock user user-merged user-adapter --steps 200 --together
-        # the mismatch over 200 steps, the four runs side by side on the device (their times are not a run's alone)
+        # the mismatch over 200 steps, the four runs side by side on the device (their times are not a run's alone);
+        # --train-seconds 450 ends each within a time limit, at the steps it reached
 
 Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
 completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5, the reward
@@ -335,8 +336,10 @@ def run_one(
     card_gib: float | None = None,
     micro_batch: int = 64,
     repeat_syncs: int = 10,
+    train_seconds: float | None = None,
 ) -> dict:
-    """One training run in this process; returns its measurements."""
+    """One training run in this process; returns its measurements. With ``train_seconds`` the run stops
+    after the first step that ends past that many seconds of training; its results are of the steps run."""
 
     import torch
     from datasets import Dataset
@@ -502,7 +505,9 @@ def run_one(
             current["start"] = time.perf_counter()
             current["alloc_retries_before"] = alloc_retries()
 
-        def on_step_end(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
+        def on_step_end(self, args, state, control, **_):  # noqa: ANN001, ANN003, ANN202
+            if train_seconds and time.perf_counter() - train_start > train_seconds:
+                control.should_training_stop = True
             if cuda:
                 torch.cuda.synchronize()
             current["step_s"] = time.perf_counter() - current.pop("start")
@@ -520,6 +525,7 @@ def run_one(
     trainer.add_callback(Steps())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    train_start = time.perf_counter()
     trainer.train()
     drift = [
         (p.detach().cpu().float() - base_before[n].float()).abs()
@@ -628,6 +634,12 @@ def main() -> None:
         action="store_true",
         help="run a shape's kinds side by side on the device (for the mismatch over a long run, not for times)",
     )
+    parser.add_argument(
+        "--train-seconds",
+        type=float,
+        help="stop each run's training after the step that passes this many seconds (to end within a time limit); "
+        "the results are of the steps it ran",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TRL_TELEMETRY", "0")
@@ -642,6 +654,7 @@ def main() -> None:
             card_gib=args.card_gib,
             micro_batch=args.micro_batch,
             repeat_syncs=args.repeat_syncs,
+            train_seconds=args.train_seconds,
         )
         Path(out).write_text(json.dumps(result))
         return
@@ -662,6 +675,8 @@ def main() -> None:
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
             command += ["--micro-batch", str(args.micro_batch), "--repeat-syncs", str(args.repeat_syncs)]
+            if args.train_seconds:
+                command += ["--train-seconds", str(args.train_seconds)]
             commands[kind] = command
         if args.together:
             for kind, (returncode, tail) in run_children_together(commands, Path(args.models)).items():
