@@ -374,8 +374,7 @@ def run_one(
         gradient_checkpointing=cuda,
         use_vllm=True,
         vllm_mode="colocate",
-        # vLLM's CPU platform has no sleep mode: stock TRL runs the CPU check without it (ours sleeps on its own).
-        vllm_enable_sleep_mode=cuda,
+        vllm_enable_sleep_mode=True,
         # TRL's fraction is of the whole device: on a simulated card, the same fraction of the card.
         vllm_gpu_memory_utilization=(0.1 if tiny else 0.3) * (card_gib * 2**30 / device_total if card_gib else 1),
         vllm_max_model_length=max_model_len,
