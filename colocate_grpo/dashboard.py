@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from transformers import TrainerCallback
 
-from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth, series
+from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth, series, tenths_difference_noise
 
 PHASES = (*ENGINE_PHASES, "train")
 FIGSIZE = (15, 8)  # inches, at 100 dpi
@@ -204,10 +204,13 @@ def summary(history: list[dict[str, Any]]) -> str:
     mismatch = _series(history, "sampling/sampling_logp_difference/mean")[1]
     if mismatch:
         first, last = first_and_last_tenth(mismatch)
-        trend = "grew" if last > 1.1 * first else "did not grow"
+        trend = "grew by more than 10%" if last > 1.1 * first else "did not grow by more than 10%"
+        chance = 2 * tenths_difference_noise(mismatch)
+        if last > 1.1 * first and last - first < chance:
+            trend += f", within what chance gives over {len(mismatch)} steps: ±{chance:.4f}"
         lines.append(
             f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}; first tenth {first:.4f}, last "
-            f"tenth {last:.4f} ({trend} by more than 10%)"
+            f"tenth {last:.4f} ({trend})"
         )
     retained = _series(history, "lora_merge/retained")[1]
     exact = _series(history, "lora_merge/served_equals_trained")[1]

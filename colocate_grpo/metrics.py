@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -65,6 +66,15 @@ def first_and_last_tenth(values: list[float]) -> tuple[float, float]:
         return math.nan, math.nan
     n = max(1, len(values) // 10)
     return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+def tenths_difference_noise(values: list[float]) -> float:
+    """Standard error of (last tenth's mean - first tenth's mean) of a series, from the spread within the
+    two tenths: a difference within about twice it is what chance gives. NaN below two values a tenth."""
+    n = len(values) // 10
+    if n < 2:
+        return math.nan
+    return math.sqrt((statistics.variance(values[:n]) + statistics.variance(values[-n:])) / n)
 
 
 class PhaseClock:

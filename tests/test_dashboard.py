@@ -99,6 +99,11 @@ def test_summary_and_figure_say_whether_the_mismatch_grew_and_how_the_run_is_ser
     text = summary(growing)
     assert "(grew by more than 10%)" in text and "Served as: adapter" in text
     assert "Served adapter: equal to the trained factors at 4 of 4 checks" in text
+    noisy = synthetic_history()
+    for event, value in zip(noisy, [0.003, 0.007] + [0.005] * 16 + [0.0036, 0.008], strict=True):
+        event["sampling/sampling_logp_difference/mean"] = value
+    # The last tenth is 1.16x the first, but two steps a tenth spread that far by chance.
+    assert "(grew by more than 10%, within what chance gives over 20 steps: ±0.0059)" in summary(noisy)
     mismatch_ax = draw(growing).axes[5]
     assert "mean, running over 2" in lines_by_label(mismatch_ax)
     assert draw(growing).axes[2].get_title() == "Served adapter"
