@@ -747,14 +747,16 @@ RATIO_KEYS = [
 
 
 def mismatch_by_tenth(values: list[float]) -> str:
-    """The mismatch's mean in each tenth of a run, and how far a tenth's mean moves by chance (the standard
-    error of a mean over a tenth's steps): a rise at the start, a steady growth and noise look alike in the
-    first and last tenth alone."""
+    """The mismatch's mean in each tenth of a run, and how far a tenth's mean moves by chance (its standard
+    error, from the steps' spread within the tenths): a rise at the start, a steady growth and noise look
+    alike in the first and last tenth alone."""
     n = len(values) // 10
     if n < 2:
         return "by tenth: too few steps"
-    means = " ".join(f"{statistics.mean(values[i * n : (i + 1) * n]):.5f}" for i in range(10))
-    return f"by tenth: {means} (a tenth's standard error {statistics.stdev(values) / math.sqrt(n):.5f})"
+    tenths = [values[i * n : (i + 1) * n] for i in range(10)]
+    means = " ".join(f"{statistics.mean(tenth):.5f}" for tenth in tenths)
+    error = math.sqrt(statistics.mean(statistics.variance(tenth) for tenth in tenths) / n)
+    return f"by tenth: {means} (a tenth's standard error {error:.5f})"
 
 
 def table(results: list[dict]) -> str:
