@@ -204,9 +204,10 @@ def summary(history: list[dict[str, Any]]) -> str:
     mismatch = _series(history, "sampling/sampling_logp_difference/mean")[1]
     if mismatch:
         first, last = first_and_last_tenth(mismatch)
-        trend = "grew by more than 10%" if last > 1.1 * first else "did not grow by more than 10%"
+        grew = last > 1.1 * first
+        trend = "grew by more than 10%" if grew else "did not grow by more than 10%"
         chance = 2 * tenths_difference_noise(mismatch)
-        if last > 1.1 * first and last - first < chance:
+        if grew and last - first < chance:
             trend += f", within what chance gives over {len(mismatch)} steps: ±{chance:.4f}"
         lines.append(
             f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}; first tenth {first:.4f}, last "
