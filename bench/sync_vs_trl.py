@@ -339,9 +339,11 @@ def run_one(
     micro_batch: int = 64,
     repeat_syncs: int = 10,
     train_seconds: float | None = None,
+    learning_rate: float | None = None,
 ) -> dict:
     """One training run in this process; returns its measurements. With ``train_seconds`` the run stops
-    after the first step that ends past that many seconds of training; its results are of the steps run."""
+    after the first step that ends past that many seconds of training; its results are of the steps run.
+    ``learning_rate`` None: 1e-5, which the user's config leaves to the default."""
 
     import torch
     from datasets import Dataset
@@ -366,7 +368,7 @@ def run_one(
         gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
         num_generations=8,
         max_completion_length=completion_tokens,
-        learning_rate=1e-5,
+        learning_rate=learning_rate or 1e-5,
         max_steps=steps,
         logging_steps=1,
         save_strategy="no",
@@ -392,6 +394,8 @@ def run_one(
         config = user_config(
             model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"), kind, micro_batch
         )
+        if learning_rate:
+            config["learning_rate"] = learning_rate
         trainer = build_trainer(config)
         model = trainer.model
     else:
@@ -642,6 +646,12 @@ def main() -> None:
         help="stop each run's training after the step that passes this many seconds (to end within a time limit); "
         "the results are of the steps it ran",
     )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        help="instead of 1e-5; one too small to move the weights (1e-12) is a control for the mismatch over a "
+        "long run: what the engine's cycles and the prompts do to it without training",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TRL_TELEMETRY", "0")
@@ -657,6 +667,7 @@ def main() -> None:
             micro_batch=args.micro_batch,
             repeat_syncs=args.repeat_syncs,
             train_seconds=args.train_seconds,
+            learning_rate=args.learning_rate,
         )
         Path(out).write_text(json.dumps(result))
         return
@@ -679,6 +690,8 @@ def main() -> None:
             command += ["--micro-batch", str(args.micro_batch), "--repeat-syncs", str(args.repeat_syncs)]
             if args.train_seconds:
                 command += ["--train-seconds", str(args.train_seconds)]
+            if args.learning_rate:
+                command += ["--learning-rate", str(args.learning_rate)]
             commands[kind] = command
         if args.together:
             for kind, (returncode, tail) in run_children_together(commands, Path(args.models)).items():
