@@ -275,8 +275,9 @@ def pool_layout() -> dict[str, list[int]]:
 
 
 GENERATION_BATCH = 64  # sequences generated a step: 8 prompts x 8 generations
+NUM_GENERATIONS = 8
 PROMPTS = 256
-STEPS_PER_PASS = PROMPTS // (GENERATION_BATCH // 8)  # steps that draw every prompt once
+STEPS_PER_PASS = PROMPTS // (GENERATION_BATCH // NUM_GENERATIONS)  # steps that draw every prompt once
 
 # The user's kinds: the plain config, and the one key a user sets to serve the policy another way.
 USER_SERVING = {
@@ -315,7 +316,7 @@ def user_config(
         **{key: value for key, value in serving.items() if key != "trl"},
         "trl": {
             "reward_funcs": ["sync_vs_trl.half_vocabulary_reward"],
-            "num_generations": 8,
+            "num_generations": NUM_GENERATIONS,
             "max_completion_length": 4 if tiny else 256,
             **serving.get("trl", {}),
         },
@@ -366,7 +367,7 @@ def run_one(
         output_dir=f"/tmp/sync_vs_trl/{kind}",
         per_device_train_batch_size=micro_batch,
         gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
-        num_generations=8,
+        num_generations=NUM_GENERATIONS,
         max_completion_length=completion_tokens,
         learning_rate=learning_rate or 1e-5,
         max_steps=steps,
