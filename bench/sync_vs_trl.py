@@ -369,7 +369,7 @@ def run_one(
         gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
         num_generations=NUM_GENERATIONS,
         max_completion_length=completion_tokens,
-        learning_rate=learning_rate or 1e-5,
+        learning_rate=1e-5 if learning_rate is None else learning_rate,
         max_steps=steps,
         logging_steps=1,
         save_strategy="no",
@@ -395,7 +395,7 @@ def run_one(
         config = user_config(
             model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"), kind, micro_batch
         )
-        if learning_rate:
+        if learning_rate is not None:
             config["learning_rate"] = learning_rate
         trainer = build_trainer(config)
         model = trainer.model
@@ -691,7 +691,7 @@ def main() -> None:
             command += ["--micro-batch", str(args.micro_batch), "--repeat-syncs", str(args.repeat_syncs)]
             if args.train_seconds:
                 command += ["--train-seconds", str(args.train_seconds)]
-            if args.learning_rate:
+            if args.learning_rate is not None:
                 command += ["--learning-rate", str(args.learning_rate)]
             commands[kind] = command
         if args.together:
