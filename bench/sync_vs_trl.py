@@ -513,7 +513,7 @@ def run_one(
             current["alloc_retries_before"] = alloc_retries()
 
         def on_step_end(self, args, state, control, **_):  # noqa: ANN001, ANN003, ANN202
-            if train_seconds and time.perf_counter() - train_start > train_seconds:
+            if train_seconds is not None and time.perf_counter() - train_start > train_seconds:
                 control.should_training_stop = True
             if cuda:
                 torch.cuda.synchronize()
@@ -689,7 +689,7 @@ def main() -> None:
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
             command += ["--micro-batch", str(args.micro_batch), "--repeat-syncs", str(args.repeat_syncs)]
-            if args.train_seconds:
+            if args.train_seconds is not None:
                 command += ["--train-seconds", str(args.train_seconds)]
             if args.learning_rate is not None:
                 command += ["--learning-rate", str(args.learning_rate)]
