@@ -54,6 +54,10 @@ def main() -> None:
     parser.add_argument("--settle", type=int, default=20, help="step from which growth is measured")
     parser.add_argument("--out", default="memory_growth.json")
     args = parser.parse_args()
+    if not 1 <= args.settle < args.steps:
+        parser.error(
+            f"--settle {args.settle} must be at least 1 and below --steps {args.steps}: growth is measured between them"
+        )
     os.environ.setdefault("TRL_TELEMETRY", "0")
     sampler = Sampler()
     raw = load_config(default_config_path()).to_dict()

@@ -59,10 +59,11 @@ class TrainResult:
 
     def summary(self) -> str:
         steps = self.metrics.history[-1]["step"] if self.metrics.history else 0
+        weights = "Adapter" if (self.output_dir / "adapter_config.json").exists() else "Model"
         return (
             f"Trained {steps} steps in {self.seconds:.0f} s. "
             f"Mean reward: first tenth {self.reward_start:.3f} -> last tenth {self.reward_end:.3f}. "
-            f"Adapter, config and metrics.jsonl in {self.output_dir}"
+            f"{weights}, config and metrics.jsonl in {self.output_dir}."
         )
 
 
