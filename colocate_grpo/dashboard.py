@@ -80,6 +80,7 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     retained = _series(history, "lora_merge/retained")
     exact = _series(history, "lora_merge/served_equals_trained")
     adapter = _series(history, "lora_sync/served_equals_trained")
+    weights = _series(history, "sync/served_equals_trained")
     changed = _series(history, "lora_merge/changed_fraction")
     if retained[0]:
         merge_ax.plot(*retained, "o-", color="#d94801", label="update served (ordinary LoRA)")
@@ -87,11 +88,13 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
         merge_ax.plot(*exact, "s--", color="#238b45", label="served = trained, bitwise (merge-aware)")
     if adapter[0]:
         merge_ax.plot(*adapter, "s--", color="#238b45", label="served adapter = trained, bitwise")
+    if weights[0]:
+        merge_ax.plot(*weights, "s--", color="#238b45", label="served = trained, bitwise (full fine-tuning)")
     if changed[0]:
         merge_ax.plot(*changed, "^:", color="#737373", label="entries changed by the merge")
-    title = "Served adapter" if adapter[0] else "LoRA merge into the served weights"
+    title = "Served adapter" if adapter[0] else "Served weights" if weights[0] else "LoRA merge into the served weights"
     merge_ax.set(title=title, xlabel="step", ylim=(-0.05, 1.05))
-    if retained[0] or exact[0] or adapter[0]:
+    if retained[0] or exact[0] or adapter[0] or weights[0]:
         merge_ax.axhline(0.5, color="#d94801", alpha=0.3, linewidth=1)
         merge_ax.legend(loc="center right", fontsize="small")
     else:
@@ -216,7 +219,10 @@ def summary(history: list[dict[str, Any]]) -> str:
     retained = _series(history, "lora_merge/retained")[1]
     exact = _series(history, "lora_merge/served_equals_trained")[1]
     adapter = _series(history, "lora_sync/served_equals_trained")[1]
-    if adapter:
+    weights = _series(history, "sync/served_equals_trained")[1]
+    if weights:
+        lines.append(f"Served weights: equal to the trained ones at {sum(weights):.0f} of {len(weights)} checks")
+    elif adapter:
         lines.append(f"Served adapter: equal to the trained factors at {sum(adapter):.0f} of {len(adapter)} checks")
     elif exact:
         lines.append(

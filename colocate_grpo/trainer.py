@@ -44,7 +44,8 @@ class MergeCheck:
     """Measures, during a sync, how much of the LoRA update the served weights keep.
 
     Runs at the first sync and then every ``interval`` optimizer steps (0 disables it). With
-    merge-aware LoRA it also checks that the engine holds exactly the trainer's forward weights.
+    merge-aware LoRA, and with full fine-tuning, it checks that the engine holds exactly the trainer's
+    forward weights; with adapter serving, its LoRA factors.
 
     Args:
         interval: optimizer steps between checks.
@@ -96,6 +97,20 @@ class MergeCheck:
         if mismatches:
             logger.error("vLLM's 4-bit base differs from the trainer's for: %s", ", ".join(mismatches[:5]))
         self.log({"qlora/served_codes_equal_trained": float(not mismatches)})
+
+    def report_weights(self, mismatches: list[str] | None) -> None:
+        """Log whether the engine holds the trainer's weights bitwise (full fine-tuning)."""
+        if mismatches is None:
+            if self.checks == 0:
+                logger.warning(
+                    "sync/served_equals_trained is not logged: the engine's parameters do not map onto the "
+                    "trainer's tensors (vLLM packed or quantized them), so they cannot be compared bitwise."
+                )
+        else:
+            if mismatches:
+                logger.error("vLLM does not serve the trained weights for: %s", ", ".join(mismatches[:5]))
+            self.log({"sync/served_equals_trained": float(not mismatches)})
+        self.checks += 1
 
     def report_adapter(self, mismatches: list[str]) -> None:
         """Log whether the engine's LoRA buffers hold the trainer's factors bitwise (adapter serving)."""
@@ -196,6 +211,8 @@ class ColocatedGeneration(VLLMGeneration):
             check.report_adapter(served_adapter_mismatches(self.model, self.llm))
             if self.llm.quantization is not None:
                 check.report_codes(served_code_mismatches(self.model, self.llm))
+        elif not hasattr(self.model, "peft_config"):  # full fine-tuning: the trained weights are served as they are
+            check.report_weights(served_weight_mismatches(self.model, self.llm))
         else:
             merged = self.merged_in_place
             mismatches = served_weight_mismatches(self.model, self.llm, merged) if check.merge_aware else None

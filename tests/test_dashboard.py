@@ -107,6 +107,16 @@ def test_summary_and_figure_say_whether_the_mismatch_grew_and_how_the_run_is_ser
     mismatch_ax = draw(growing).axes[5]
     assert "mean, running over 2" in lines_by_label(mismatch_ax)
     assert draw(growing).axes[2].get_title() == "Served adapter"
+    full = synthetic_history()
+    for event in full:
+        event["served_as"] = "weights (full fine-tuning)"
+        if "lora_merge/retained" in event:
+            del event["lora_merge/retained"]
+            event["sync/served_equals_trained"] = 1.0
+    assert "Served weights: equal to the trained ones at 4 of 4 checks" in summary(full)
+    merge_ax = draw(full).axes[2]
+    assert merge_ax.get_title() == "Served weights"
+    assert "served = trained, bitwise (full fine-tuning)" in lines_by_label(merge_ax)
 
 
 def test_png_writer_throttles_and_always_writes_at_the_end(tmp_path):

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from vllm import SamplingParams
 
 from colocate_grpo.config import ConfigError, load_config
+from colocate_grpo.dashboard import summary
 from colocate_grpo.engine import live_engine
 from colocate_grpo.memory_plan import kv_cache_bytes
 from colocate_grpo.sync import save_merged, served_weight_mismatches
@@ -136,6 +137,27 @@ def test_merge_aware_engine_serves_the_trained_weights_bitwise(tmp_path):
             assert served_weight_mismatches(exported.to(trainer.model.device), trainer.engine) == []
     finally:
         trainer.engine.sleep()
+
+
+def test_full_fine_tuning_serves_the_trained_weights_bitwise(tmp_path):
+    config = tiny_config(tmp_path, adapter=None, learning_rate=1e-3, trl={"vllm_merge_check_interval": 1})
+    trainer = build_trainer(config)
+    before = {name: param.detach().clone() for name, param in trainer.model.named_parameters()}
+    try:
+        trainer.train()
+        assert [value for _, value in trainer.metrics.series("sync/served_equals_trained")] == [1.0, 1.0, 1.0]
+        assert not trainer.metrics.series("lora_merge/changed_fraction")
+        moved = [name for name, param in trainer.model.named_parameters() if not torch.equal(param, before[name])]
+        assert moved, "no weight changed: the check would compare the base with itself"
+        trainer.vllm_generation.sync_weights()
+        assert served_weight_mismatches(trainer.model, trainer.engine) == []
+        with torch.no_grad():  # the check sees a weight the engine was not sent
+            trainer.model.get_parameter(moved[0]).mul_(2)
+        assert len(served_weight_mismatches(trainer.model, trainer.engine)) == 1
+    finally:
+        trainer.engine.sleep()
+    assert trainer.served_as == "weights (full fine-tuning)"
+    assert "Served weights: equal to the trained ones at 3 of 3 checks" in summary(trainer.metrics.history)
 
 
 def test_ordinary_lora_logs_the_retained_update(tmp_path):
