@@ -26,6 +26,7 @@ import yaml
 from sync_vs_trl import GENERATION_BATCH, benchmark_prompts, build_model, user_config
 
 HERE = Path(__file__).parent
+WARMUP_STEPS = 2  # not timed: the first steps compile and fill caches
 
 
 def free_port() -> int:
@@ -53,7 +54,7 @@ def run(ranks: int, model_path: str, steps: int, directory: Path) -> dict:
     if done.returncode != 0:
         return {"ranks": ranks, "failed": done.stderr[-3000:]}
     events = [json.loads(line) for line in (directory / "run" / "metrics.jsonl").read_text().splitlines()]
-    step_s = [e["time/step"] for e in events if "time/step" in e][2:]
+    step_s = [e["time/step"] for e in events if "time/step" in e][WARMUP_STEPS:]
     checks = [e[k] for e in events for k in e if k.endswith("served_equals_trained")]
     step = statistics.median(step_s)
     peaks = [v for e in events for k, v in e.items() if k.endswith("device_used_gib")]
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--models", default="/tmp/sync_vs_trl_models")
     parser.add_argument("--out", default="data_parallel.json")
     args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps {args.steps} leaves no step to time: the first {WARMUP_STEPS} are warm-up")
     os.environ.setdefault("TRL_TELEMETRY", "0")
     model_path = build_model(args.shape, Path(args.models) / args.shape)
     results = []
