@@ -13,6 +13,7 @@ import difflib
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -266,7 +267,8 @@ _SERVER_KEYS = {
 
 
 def load_config(source: str | Path | dict[str, Any] | None = None) -> Config:
-    """Read and validate a config from a YAML path, a YAML string, a dict, or nothing (the defaults).
+    """Read and validate a config from a YAML path, the name of a packaged config (``packaged_configs``), a YAML
+    string, a dict, or nothing (the defaults).
 
     Raises:
         ConfigError: on any problem, with a message that names the key and the fix.
@@ -287,6 +289,12 @@ def load_config(source: str | Path | dict[str, Any] | None = None) -> Config:
     return config
 
 
+def packaged_configs() -> dict[str, Path]:
+    """The example configs that come with the package, by name (``tiny``, ``qwen2.5-0.5b-gsm8k``, ...)."""
+    directory = Path(str(resources.files("colocate_grpo") / "configs"))
+    return {path.stem: path for path in sorted(directory.glob("*.yaml"))}
+
+
 def _read_yaml(source: str | Path) -> Any:
     text_given = isinstance(source, str) and ("\n" in source or ":" in source) and not Path(source).exists()
     if text_given:
@@ -294,7 +302,14 @@ def _read_yaml(source: str | Path) -> Any:
     else:
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"Config file not found: {path}. Pass the path of a YAML file (see configs/).")
+            # A packaged config's name (or file name) works from any directory: notebooks, Colab.
+            packaged = packaged_configs()
+            path = packaged.get(path.name.removesuffix(".yaml")) if path.parent == Path() else None
+            if path is None:
+                raise ConfigError(
+                    f"Config file not found: {source}. Pass the path of a YAML file, or the name of a config that "
+                    f"comes with colocate_grpo: {', '.join(packaged)}."
+                )
         text, where = path.read_text(), str(path)
     try:
         return yaml.safe_load(text)

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,7 @@ import psutil
 import yaml
 from transformers.trainer_callback import ProgressCallback
 
-from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config
+from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
@@ -39,12 +38,12 @@ from colocate_grpo.sync import save_merged
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
     from colocate_grpo.trainer import ColocateGRPOTrainer
 
-DEFAULT_CONFIG = "tiny.yaml"
+DEFAULT_CONFIG = "tiny"
 
 
 def default_config_path() -> Path:
     """The packaged tiny job's YAML."""
-    return Path(str(resources.files("colocate_grpo") / "configs" / DEFAULT_CONFIG))
+    return packaged_configs()[DEFAULT_CONFIG]
 
 
 @dataclass
@@ -322,7 +321,11 @@ def train(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colocate_grpo.train", description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="?", help=f"YAML config (default: the packaged {DEFAULT_CONFIG})")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help=f"a YAML file, or a packaged config's name: {', '.join(packaged_configs())} (default: {DEFAULT_CONFIG})",
+    )
     parser.add_argument(
         "--check",
         action="store_true",

@@ -1,5 +1,6 @@
 """The validator on good and bad configs, and the CLI's exit codes and messages."""
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from colocate_grpo.config import ConfigError, describe, load_config
+from colocate_grpo.config import ConfigError, describe, load_config, packaged_configs
 from colocate_grpo.models import merge_aware_mode
 from colocate_grpo.train import default_config_path
 
@@ -27,10 +28,18 @@ def test_packaged_default_and_examples_validate():
     tiny = load_config(default_config_path())
     assert tiny.base_model == "tiny" and tiny.task == "arithmetic"
     assert tiny.reward_funcs == ["colocate_grpo.tasks.arithmetic_reward"]
-    examples = sorted((REPO / "configs").glob("*.yaml"))
-    assert len(examples) >= 2
-    for path in examples:
-        load_config(path)
+    examples = packaged_configs()
+    assert {"tiny", "qwen2.5-0.5b-gsm8k", "qwen2.5-1.5b-gsm8k"} <= set(examples)
+    for name, path in examples.items():
+        assert load_config(name) == load_config(path) == load_config(f"{name}.yaml")
+
+
+def test_a_missing_config_file_names_the_packaged_ones(tmp_path):
+    (tmp_path / "tiny.yaml").write_text("base_model: tiny\nmax_steps: 7\n")
+    with contextlib.chdir(tmp_path):  # a file in the working directory comes before a packaged config's name
+        assert load_config("tiny.yaml").max_steps == 7 and load_config("tiny").max_steps == 300
+    message = error_for(str(tmp_path / "qwen2.5-0.5b-gsm8k.yaml"))
+    assert "Config file not found" in message and "qwen2.5-0.5b-gsm8k, qwen2.5-1.5b-gsm8k, tiny" in message
 
 
 def test_defaults_are_a_colocated_sleeping_engine():
@@ -159,8 +168,9 @@ def test_cli_bad_input_exits_2_with_one_message_and_writes_nothing(tmp_path, tex
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_check_accepts_a_good_config(tmp_path):
-    result = run_cli("--check", str(default_config_path()), cwd=tmp_path)
+@pytest.mark.parametrize("config", ["path", "name"])
+def test_cli_check_accepts_a_good_config(tmp_path, config):
+    result = run_cli("--check", str(default_config_path()) if config == "path" else "tiny", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "OK" in result.stdout
 
