@@ -53,7 +53,8 @@ from shapes import QWEN25
 
 if TYPE_CHECKING:
     import torch
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config, TrainerCallback
+    from trl import GRPOConfig
 
 SHAPES = QWEN25
 PROMPT_TOKENS = 32
@@ -331,6 +332,197 @@ def take_device_memory(card_gib: float) -> object:
     return torch.empty(int(total - card_gib * 2**30 - (total - free)), dtype=torch.uint8, device="cuda")
 
 
+def grpo_args(
+    kind: str,
+    steps: int,
+    tiny: bool,
+    card_gib: float | None,
+    micro_batch: int,
+    learning_rate: float | None,
+    device_total: int,
+) -> GRPOConfig:
+    """Stock TRL's settings for these runs (``ours*`` kinds take them too; ``user*`` kinds take the user's config).
+    ``device_total``: the device's bytes (0 on a CPU)."""
+    import torch
+    from trl import GRPOConfig
+
+    cuda = torch.cuda.is_available()
+    return GRPOConfig(
+        output_dir=f"/tmp/sync_vs_trl/{kind}",
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=4 if tiny else 256,
+        learning_rate=1e-5 if learning_rate is None else learning_rate,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=cuda,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        # TRL's fraction is of the whole device: on a simulated card, the same fraction of the card.
+        vllm_gpu_memory_utilization=(0.1 if tiny else 0.3) * (card_gib * 2**30 / device_total if card_gib else 1),
+        vllm_max_model_length=32 if tiny else 512,
+        seed=0,
+    )
+
+
+def peft_model(kind: str, model_path: str) -> torch.nn.Module:
+    """The PEFT LoRA model that stock TRL and the ``ours*`` kinds train (merge-aware for ``ours-ma*``); for
+    ``stock-4bit`` on the NF4 base that a QLoRA user loads, as ``load_in_4bit`` does."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if kind == "stock-4bit":
+        from transformers import BitsAndBytesConfig
+
+        quantized = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, quantization_config=quantized)
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    if kind.startswith("ours-ma"):
+        from colocate_grpo.lora import install_merge_aware
+
+        install_merge_aware(model, "bf16")
+    return model
+
+
+class StepRecorder:
+    """Times one run's engine calls and optimizer steps.
+
+    ``current`` is the step in progress: ``<call>_s``, the seconds of each timed call (sync, sleep, wake, generate),
+    ``<call>_device_gib``, the device's used memory after it, ``overhead_s``, the outermost calls but generate (a wake
+    inside a sync counts once), ``push_s``, the pushes' device-timed seconds, and the parts that ``time_*`` add.
+    ``steps`` are the finished steps. With ``train_seconds`` training stops after the first step that ends past that
+    many seconds from ``train_start``.
+    """
+
+    def __init__(self, cuda: bool, train_seconds: float | None) -> None:
+        self.cuda = cuda
+        self.train_seconds = train_seconds
+        self.train_start = math.nan
+        self.current: dict = {}
+        self.phases: list[str] = []  # the timed calls in progress, outermost first
+        self.steps: list[dict] = []
+        self.pushes: list = []  # CUDA events around ours' pushes (time_push_on_device)
+        self.adapter_pushes: list = []
+
+    def device_used_gib(self) -> float:
+        import torch
+
+        if not self.cuda:
+            return 0.0
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+
+    def alloc_retries(self) -> int:
+        import torch
+
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else 0
+
+    def timed(self, name: str, fn):  # noqa: ANN001, ANN202
+        """``fn``, its seconds and the memory after it recorded under ``name``."""
+        import torch
+
+        current, phases = self.current, self.phases
+
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            # Calls made inside another (a wake inside a sync) are not synchronized: ours wakes the KV cache
+            # while the device writes the weights, and waiting would undo that.
+            outermost = not phases
+            if self.cuda and outermost:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            phases.append(name)
+            try:
+                return fn(*a, **k)
+            finally:
+                phases.pop()
+                if self.cuda and outermost:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+                current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + elapsed
+                if name == "wake" and not outermost and (a[0] if a else k.get("tags")) == ["weights"]:
+                    current["sync_wake_s"] = current.get("sync_wake_s", 0.0) + elapsed
+                if outermost and name != "generate":  # a wake inside a sync counts once
+                    current["overhead_s"] = current.get("overhead_s", 0.0) + elapsed
+                current[f"{name}_device_gib"] = max(current.get(f"{name}_device_gib", 0.0), self.device_used_gib())
+
+        return wrapper
+
+    def add_push_s(self) -> None:
+        """Move the pushes' device-timed seconds into ``current["push_s"]`` (the device synchronized); the
+        adapter's writes also into ``current["adapter_push_s"]``."""
+        for events, keys in ((self.pushes, ["push_s"]), (self.adapter_pushes, ["push_s", "adapter_push_s"])):
+            for start, end in events:
+                for key in keys:
+                    self.current[key] = self.current.get(key, 0.0) + start.elapsed_time(end) / 1e3
+            events.clear()
+
+    def callback(self) -> TrainerCallback:
+        """The trainer callback that starts and ends each step's record, and adds TRL's logged mismatch and entropy."""
+        import torch
+        from transformers import TrainerCallback
+
+        recorder, current, steps = self, self.current, self.steps
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
+                current.clear()
+                current["start"] = time.perf_counter()
+                current["alloc_retries_before"] = recorder.alloc_retries()
+
+            def on_step_end(self, args, state, control, **_):  # noqa: ANN001, ANN003, ANN202
+                seconds = recorder.train_seconds
+                if seconds is not None and time.perf_counter() - recorder.train_start > seconds:
+                    control.should_training_stop = True
+                if recorder.cuda:
+                    torch.cuda.synchronize()
+                current["step_s"] = time.perf_counter() - current.pop("start")
+                current["alloc_retries"] = recorder.alloc_retries() - current.pop("alloc_retries_before")
+                recorder.add_push_s()
+                current["train_device_gib"] = recorder.device_used_gib()
+                steps.append(dict(current))
+
+            def on_log(self, args, state, control, logs=None, **_):  # noqa: ANN001, ANN003, ANN202
+                if logs and "sampling/sampling_logp_difference/mean" in logs and steps:
+                    steps[-1]["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
+                if logs and "entropy" in logs and steps:
+                    steps[-1]["entropy"] = logs["entropy"]
+
+        return Steps()
+
+
+def sync_again(generation: object, recorder: StepRecorder, count: int, level: int) -> list[dict]:
+    """``count`` more syncs, each from an engine asleep at ``level`` (2: weights discarded, as in the loop; 1: kept);
+    each sync's record."""
+    executor = generation.llm.llm_engine.model_executor
+    records = []
+    for _ in range(count):
+        asleep = sorted(getattr(executor, "sleeping_tags", ()))
+        if asleep:  # vLLM ignores sleep() unless every tag is awake (and fails to wake an awake tag)
+            generation.llm.wake_up(tags=asleep)
+        generation.llm.sleep(level=level)
+        recorder.current.clear()
+        generation.sync_weights()
+        recorder.add_push_s()
+        records.append(dict(recorder.current))
+    return records
+
+
 def run_one(
     kind: str,
     model_path: str,
@@ -348,9 +540,8 @@ def run_one(
 
     import torch
     from datasets import Dataset
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
 
     from colocate_grpo.config import VLLMConfig
     from colocate_grpo.metrics import first_and_last_tenth
@@ -361,30 +552,7 @@ def run_one(
     taken = take_device_memory(card_gib) if card_gib else None  # noqa: F841 (held for the run)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_dict({"prompt": benchmark_prompts(model_path, PROMPTS)})
-    completion_tokens = 4 if tiny else 256
-    max_model_len = 32 if tiny else 512
-    args = GRPOConfig(
-        output_dir=f"/tmp/sync_vs_trl/{kind}",
-        per_device_train_batch_size=micro_batch,
-        gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=completion_tokens,
-        learning_rate=1e-5 if learning_rate is None else learning_rate,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        bf16=cuda,
-        use_cpu=not cuda,
-        gradient_checkpointing=cuda,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_enable_sleep_mode=True,
-        # TRL's fraction is of the whole device: on a simulated card, the same fraction of the card.
-        vllm_gpu_memory_utilization=(0.1 if tiny else 0.3) * (card_gib * 2**30 / device_total if card_gib else 1),
-        vllm_max_model_length=max_model_len,
-        seed=0,
-    )
+    args = grpo_args(kind, steps, tiny, card_gib, micro_batch, learning_rate, device_total)
     if kind.endswith("-own"):  # what sharing the base weights saves, and costs
         import colocate_grpo.trainer as trainer_module
 
@@ -400,26 +568,7 @@ def run_one(
         trainer = build_trainer(config)
         model = trainer.model
     else:
-        if kind == "stock-4bit":  # stock TRL with the 4-bit base a QLoRA user loads (NF4, as load_in_4bit does)
-            from transformers import BitsAndBytesConfig
-
-            quantized = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
-            )
-            model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=torch.bfloat16, quantization_config=quantized
-            )
-        else:
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to("cuda" if cuda else "cpu")
-        lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
-    if kind.startswith("ours-ma"):
-        from colocate_grpo.lora import install_merge_aware
-
-        install_merge_aware(model, "bf16")
+        model = peft_model(kind, model_path)
     # The floor's two copies of the weights would not fit beside the run on a simulated card.
     floor_s = copy_floor_s(model) if cuda and not card_gib and not kind.endswith("4bit") else float("nan")
     base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
@@ -432,7 +581,7 @@ def run_one(
         # CUDA graphs on, as stock TRL's engine has them.
         options = VLLMConfig(
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            max_model_len=max_model_len,
+            max_model_len=args.vllm_max_model_length,
             enforce_eager=False,
             kv_cache="memory_fraction" if kind.endswith("-fraction") else "batch",
         )
@@ -440,132 +589,39 @@ def run_one(
 
     print(STARTED, flush=True)  # the engine has started: see run_children_together
 
-    def device_used_gib() -> float:
-        if not cuda:
-            return 0.0
-        free, total = torch.cuda.mem_get_info()
-        return (total - free) / 2**30
-
-    def alloc_retries() -> int:
-        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
-
-    step_log: list[dict] = []
-    current: dict = {}
-    phases: list[str] = []  # the timed calls in progress, outermost first
-
-    def timed(name: str, fn):  # noqa: ANN001, ANN202
-        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            # Calls made inside another (a wake inside a sync) are not synchronized: ours wakes the KV cache
-            # while the device writes the weights, and waiting would undo that.
-            outermost = not phases
-            if cuda and outermost:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            phases.append(name)
-            try:
-                return fn(*a, **k)
-            finally:
-                phases.pop()
-                if cuda and outermost:
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-                current[f"{name}_s"] = current.get(f"{name}_s", 0.0) + elapsed
-                if name == "wake" and not outermost and (a[0] if a else k.get("tags")) == ["weights"]:
-                    current["sync_wake_s"] = current.get("sync_wake_s", 0.0) + elapsed
-                if outermost and name != "generate":  # a wake inside a sync counts once
-                    current["overhead_s"] = current.get("overhead_s", 0.0) + elapsed
-                current[f"{name}_device_gib"] = max(current.get(f"{name}_device_gib", 0.0), device_used_gib())
-
-        return wrapper
-
+    recorder = StepRecorder(cuda, train_seconds)
     if cuda:
-        time_sleep_mode_parts(phases, current)
-    time_gc_pauses(phases, current)
-    pushes: list = []
-    adapter_pushes: list = []
+        time_sleep_mode_parts(recorder.phases, recorder.current)
+    time_gc_pauses(recorder.phases, recorder.current)
     if not kind.startswith("stock"):
-        time_sync_parts(phases, current)
+        time_sync_parts(recorder.phases, recorder.current)
         if cuda:
-            time_push_on_device(pushes)
-            time_push_on_device(pushes, "merge_into_shared_base")
-            time_push_on_device(adapter_pushes, "push_adapter")
-
-    def add_push_s() -> None:
-        """Move the pushes' device-timed seconds into ``current["push_s"]`` (the device synchronized); the
-        adapter's writes also into ``current["adapter_push_s"]``."""
-        for events, keys in ((pushes, ["push_s"]), (adapter_pushes, ["push_s", "adapter_push_s"])):
-            for start, end in events:
-                for key in keys:
-                    current[key] = current.get(key, 0.0) + start.elapsed_time(end) / 1e3
-            events.clear()
-
+            time_push_on_device(recorder.pushes)
+            time_push_on_device(recorder.pushes, "merge_into_shared_base")
+            time_push_on_device(recorder.adapter_pushes, "push_adapter")
     generation = trainer.vllm_generation
-    generation.sync_weights = timed("sync", generation.sync_weights)
+    generation.sync_weights = recorder.timed("sync", generation.sync_weights)
     llm = generation.llm
-    llm.sleep = timed("sleep", llm.sleep)
-    llm.wake_up = timed("wake", llm.wake_up)
-    llm.generate = timed("generate", llm.generate)
-
-    class Steps(TrainerCallback):
-        def on_step_begin(self, *_, **__):  # noqa: ANN002, ANN003, ANN202
-            current.clear()
-            current["start"] = time.perf_counter()
-            current["alloc_retries_before"] = alloc_retries()
-
-        def on_step_end(self, args, state, control, **_):  # noqa: ANN001, ANN003, ANN202
-            if train_seconds is not None and time.perf_counter() - train_start > train_seconds:
-                control.should_training_stop = True
-            if cuda:
-                torch.cuda.synchronize()
-            current["step_s"] = time.perf_counter() - current.pop("start")
-            current["alloc_retries"] = alloc_retries() - current.pop("alloc_retries_before")
-            add_push_s()
-            current["train_device_gib"] = device_used_gib()
-            step_log.append(dict(current))
-
-        def on_log(self, args, state, control, logs=None, **_):  # noqa: ANN001, ANN003, ANN202
-            if logs and "sampling/sampling_logp_difference/mean" in logs and step_log:
-                step_log[-1]["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
-            if logs and "entropy" in logs and step_log:
-                step_log[-1]["entropy"] = logs["entropy"]
-
-    trainer.add_callback(Steps())
+    llm.sleep = recorder.timed("sleep", llm.sleep)
+    llm.wake_up = recorder.timed("wake", llm.wake_up)
+    llm.generate = recorder.timed("generate", llm.generate)
+    trainer.add_callback(recorder.callback())
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    train_start = time.perf_counter()
+    recorder.train_start = time.perf_counter()
     trainer.train()
     drift = [
         (p.detach().cpu().float() - base_before[n].float()).abs()
         for n, p in model.named_parameters()
         if "lora_" not in n
     ]
+    step_log = recorder.steps
     measured = step_log[WARMUP_STEPS:] or step_log
     # More syncs from the same state the loop syncs from: asleep at level 2, weights discarded.
-    repeat_sync_s, repeat_push_s = [], []
-    executor = generation.llm.llm_engine.model_executor
-    for _ in range(repeat_syncs):
-        asleep = sorted(getattr(executor, "sleeping_tags", ()))
-        if asleep:  # vLLM ignores sleep() unless every tag is awake (and fails to wake an awake tag)
-            generation.llm.wake_up(tags=asleep)
-        generation.llm.sleep(level=2)
-        current.clear()
-        generation.sync_weights()
-        add_push_s()
-        repeat_sync_s.append(current["sync_s"])
-        repeat_push_s.append(push_s(current))
-
+    repeated = sync_again(generation, recorder, repeat_syncs, level=2)
+    serve_adapter = getattr(generation, "serve_adapter", False)
     # The adapter's push when the engine kept its base weights (a level-1 sleep): the adapter alone.
-    repeat_adapter_push_s = []
-    if cuda and getattr(generation, "serve_adapter", False):
-        for _ in range(repeat_syncs):
-            asleep = sorted(getattr(executor, "sleeping_tags", ()))
-            if asleep:
-                generation.llm.wake_up(tags=asleep)
-            generation.llm.sleep(level=1)
-            current.clear()
-            generation.sync_weights()
-            add_push_s()
-            repeat_adapter_push_s.append(current.get("adapter_push_s", float("nan")))
+    repeated_adapter = sync_again(generation, recorder, repeat_syncs, level=1) if cuda and serve_adapter else []
 
     def median(key: str) -> float:
         values = [s.get(key, 0.0) for s in measured]
@@ -585,10 +641,14 @@ def run_one(
         "step_s": median("step_s"),
         "sync_s": median("sync_s"),
         "loop_push_s": statistics.median(push_s(s) for s in measured),
-        "repeat_sync_s": statistics.median(repeat_sync_s),
-        "repeat_push_s": statistics.median(repeat_push_s),
-        "adapter_push_s": median("adapter_push_s") if getattr(generation, "serve_adapter", False) else float("nan"),
-        "repeat_adapter_push_s": statistics.median(repeat_adapter_push_s) if repeat_adapter_push_s else float("nan"),
+        "repeat_sync_s": statistics.median(r["sync_s"] for r in repeated),
+        "repeat_push_s": statistics.median(push_s(r) for r in repeated),
+        "adapter_push_s": median("adapter_push_s") if serve_adapter else float("nan"),
+        "repeat_adapter_push_s": (
+            statistics.median(r.get("adapter_push_s", float("nan")) for r in repeated_adapter)
+            if repeated_adapter
+            else float("nan")
+        ),
         "copy_floor_s": floor_s,
         "overhead_share": statistics.median(overhead),
         "peak_device_gib": peaks,
