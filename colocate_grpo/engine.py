@@ -23,7 +23,7 @@ import tempfile
 import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -128,6 +128,10 @@ class Engine:
     ) -> None:
         global _live_engine
         previous = live_engine()
+        wanted = engine_settings(model_path, options, dtype, max_lora_rank, fp32_head, quantization)
+        if not on_cpu() and (previous is not None or _sleep_engine_was_closed):
+            # Refused before the live engine is closed: the process keeps it for runs with its settings.
+            raise EngineStateError(_second_sleep_engine_message(previous, wanted))
         if previous is not None:
             logger.info("Closing the previous colocated engine before starting a new one.")
             previous.close()
@@ -144,12 +148,6 @@ class Engine:
         self.cpu = on_cpu()
         self.sleep_mode = not self.cpu
         self.ranks = launched_ranks()
-        if self.sleep_mode and _sleep_engine_was_closed:
-            raise EngineStateError(
-                "vLLM allows one sleep-mode engine per process, and this process already closed one. Restart the "
-                "Python process (in a notebook: the kernel), or keep the engine: train() leaves it asleep and the "
-                "next trainer on the same base model reuses it."
-            )
         if self.cpu:
             logger.warning(
                 "vLLM sleep mode is not available on CPU: the engine keeps its memory while the trainer "
@@ -574,6 +572,13 @@ class Engine:
         return self._require_open().llm_engine
 
     # --- lifetime ----------------------------------------------------------------------------
+    @property
+    def settings(self) -> dict[str, Any]:
+        """What the engine was built for, by name: see :func:`engine_settings`."""
+        return engine_settings(
+            self.model_path, self.options, self.dtype, self.max_lora_rank, self.fp32_head, self.quantization
+        )
+
     def serves(
         self,
         model_path: str,
@@ -585,9 +590,8 @@ class Engine:
     ) -> bool:
         """True when this open engine was built for that base model, dtype, ``vllm:`` block, LoRA rank, head and
         quantization."""
-        wanted = dtype if options.dtype == "auto" else options.dtype
-        built = (self.model_path, self.options, self.dtype, self.max_lora_rank, self.fp32_head, self.quantization)
-        return not self.closed and built == (model_path, options, wanted, max_lora_rank, fp32_head, quantization)
+        wanted = engine_settings(model_path, options, dtype, max_lora_rank, fp32_head, quantization)
+        return not self.closed and self.settings == wanted
 
     @property
     def head_dtype(self) -> torch.dtype:
@@ -670,6 +674,44 @@ def _parameter_view(
     target = target.detach()
     padding = target[shape[0] :] if start == 0 and shape[0] < end and name in params else None
     return ParameterView(target[start : start + shape[0]], padding)
+
+
+def engine_settings(
+    model_path: str,
+    options: VLLMConfig,
+    dtype: str,
+    max_lora_rank: int | None = None,
+    fp32_head: bool = False,
+    quantization: str | None = None,
+) -> dict[str, Any]:
+    """The settings an engine is built for, named as a user sets them: the base model, each ``vllm:`` key, the
+    dtype it computes in, the LoRA rank its adapter slot holds, the fp32 head and the quantization."""
+    return {
+        "base_model": model_path,
+        **{f"vllm.{f.name}": getattr(options, f.name) for f in fields(options)},
+        "dtype": dtype if options.dtype == "auto" else options.dtype,
+        "LoRA rank": max_lora_rank,
+        "trl.cast_lm_head_to_fp32": fp32_head,
+        "quantization": quantization,
+    }
+
+
+def _second_sleep_engine_message(previous: Engine | None, wanted: dict[str, Any]) -> str:
+    """Why no second engine starts in a process that has had one with vLLM's sleep mode, and the fixes."""
+    if previous is None:
+        return (
+            "vLLM allows one sleep-mode engine per process, and this process already closed one. Restart the Python "
+            "process (in a notebook: the kernel) to start another."
+        )
+    built = previous.settings
+    differences = "; ".join(
+        f"{key} {built.get(key)!r} (this run: {value!r})" for key, value in wanted.items() if built.get(key) != value
+    )
+    return (
+        f"vLLM allows one sleep-mode engine per process, and this process's engine was built for other settings: "
+        f"{differences}. Restart the Python process (in a notebook: the kernel) to run with these settings, or set "
+        "them back to the engine's: a run with its settings reuses it."
+    )
 
 
 def live_engine() -> Engine | None:

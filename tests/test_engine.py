@@ -12,8 +12,10 @@ from colocate_grpo.engine import (
     Engine,
     EngineStateError,
     Weights,
+    _second_sleep_engine_message,
     batch_kv_cache_bytes,
     checkpoint_bytes,
+    engine_settings,
     shared_engine,
 )
 from colocate_grpo.tiny import tiny_model_path
@@ -76,6 +78,20 @@ def test_awake_engine_generates(engine):
     assert engine.state.ready
     out = engine.generate(PROMPT, GREEDY)
     assert len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_an_engine_for_other_settings_is_refused_by_name_where_one_sleep_mode_engine_is_allowed(engine):
+    path = str(tiny_model_path())
+    longer = VLLMConfig(gpu_memory_utilization=0.1, max_model_len=64)
+    assert engine.serves(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32), "bfloat16")
+    assert not engine.serves(path, longer, "bfloat16")
+    # A notebook that re-runs its training cell with a longer completion, on a GPU: the message a user reads.
+    message = _second_sleep_engine_message(engine, engine_settings(path, longer, "bfloat16"))
+    assert "built for other settings: vllm.max_model_len 32 (this run: 64). Restart the Python process" in message
+    if torch.cuda.is_available():
+        with pytest.raises(EngineStateError, match=r"vllm.max_model_len 32 \(this run: 64\)"):
+            Engine(path, longer)
+        assert not engine.closed and engine.generate(PROMPT, GREEDY)  # refused before the live engine is closed
 
 
 @pytest.mark.parametrize("level", [1, 2])
