@@ -579,19 +579,9 @@ class Engine:
             self.model_path, self.options, self.dtype, self.max_lora_rank, self.fp32_head, self.quantization
         )
 
-    def serves(
-        self,
-        model_path: str,
-        options: VLLMConfig,
-        dtype: str,
-        max_lora_rank: int | None = None,
-        fp32_head: bool = False,
-        quantization: str | None = None,
-    ) -> bool:
-        """True when this open engine was built for that base model, dtype, ``vllm:`` block, LoRA rank, head and
-        quantization."""
-        wanted = engine_settings(model_path, options, dtype, max_lora_rank, fp32_head, quantization)
-        return not self.closed and self.settings == wanted
+    def serves(self, settings: dict[str, Any]) -> bool:
+        """True when this open engine was built for ``settings`` (:func:`engine_settings`)."""
+        return not self.closed and self.settings == settings
 
     @property
     def head_dtype(self) -> torch.dtype:
@@ -727,14 +717,15 @@ def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16",
     re-run a training cell reuse it instead of starting (and leaking) another.
     """
     engine = live_engine()
-    if engine is not None and engine.serves(
+    wanted = engine_settings(
         model_path,
         options,
         dtype,
         kwargs.get("max_lora_rank"),
         kwargs.get("fp32_head", False),
         kwargs.get("quantization"),
-    ):
+    )
+    if engine is not None and engine.serves(wanted):
         return engine
     return Engine(model_path, options, dtype=dtype, **kwargs)
 

@@ -83,8 +83,8 @@ def test_awake_engine_generates(engine):
 def test_an_engine_for_other_settings_is_refused_by_name_where_one_sleep_mode_engine_is_allowed(engine):
     path = str(tiny_model_path())
     longer = VLLMConfig(gpu_memory_utilization=0.1, max_model_len=64)
-    assert engine.serves(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32), "bfloat16")
-    assert not engine.serves(path, longer, "bfloat16")
+    assert engine.serves(engine_settings(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32), "bfloat16"))
+    assert not engine.serves(engine_settings(path, longer, "bfloat16"))
     # A notebook that re-runs its training cell with a longer completion, on a GPU: the message a user reads.
     message = _second_sleep_engine_message(engine, engine_settings(path, longer, "bfloat16"))
     assert "built for other settings: vllm.max_model_len 32 (this run: 64). Restart the Python process" in message
