@@ -74,11 +74,7 @@ class MergeCheck:
         if stats.delta_sq > 0 and not self.merge_aware:  # a fresh adapter (B = 0) has no update yet
             metrics["lora_merge/retained"] = stats.retained
         if self.merge_aware and mismatches is None:
-            if self.checks == 0:
-                logger.warning(
-                    "lora_merge/served_equals_trained is not logged: the engine's parameters do not map onto the "
-                    "trainer's tensors (vLLM packed or quantized them), so they cannot be compared bitwise."
-                )
+            self._warn_not_comparable("lora_merge/served_equals_trained")
         elif self.merge_aware:
             metrics["lora_merge/served_equals_trained"] = float(not mismatches)
             if mismatches:
@@ -101,16 +97,20 @@ class MergeCheck:
     def report_weights(self, mismatches: list[str] | None) -> None:
         """Log whether the engine holds the trainer's weights bitwise (full fine-tuning)."""
         if mismatches is None:
-            if self.checks == 0:
-                logger.warning(
-                    "sync/served_equals_trained is not logged: the engine's parameters do not map onto the "
-                    "trainer's tensors (vLLM packed or quantized them), so they cannot be compared bitwise."
-                )
+            self._warn_not_comparable("sync/served_equals_trained")
         else:
             if mismatches:
                 logger.error("vLLM does not serve the trained weights for: %s", ", ".join(mismatches[:5]))
             self.log({"sync/served_equals_trained": float(not mismatches)})
         self.checks += 1
+
+    def _warn_not_comparable(self, key: str) -> None:
+        if self.checks == 0:
+            logger.warning(
+                "%s is not logged: the engine's parameters do not map onto the trainer's tensors (vLLM packed or "
+                "quantized them), so they cannot be compared bitwise.",
+                key,
+            )
 
     def report_adapter(self, mismatches: list[str]) -> None:
         """Log whether the engine's LoRA buffers hold the trainer's factors bitwise (adapter serving)."""

@@ -15,7 +15,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(path.stem for path in BENCH.glob("*.py"))
 
-# The CPU checks the scripts' docstrings name, each cut to the least that still runs every part of it.
+# The CPU checks that the scripts' docstrings name, cut to few steps, kinds and batches.
 CPU_CHECKS = {
     "sync_vs_trl": ["--shapes", "tiny", "--kinds", "ours-ma", "user-adapter", "--steps", "2", "--together"]
     + ["--repeat-syncs", "1", "--models", ".", "--out", "out.json"],
