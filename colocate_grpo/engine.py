@@ -704,6 +704,26 @@ def _second_sleep_engine_message(previous: Engine | None, wanted: dict[str, Any]
     )
 
 
+def refuse_unservable_run(settings: dict[str, Any]) -> None:
+    """On a GPU, refuse a run that this process's engine cannot serve, before the run loads its model.
+
+    vLLM allows one sleep-mode engine per process, so a later run is served only by the live engine, and only
+    when ``settings`` (those of :func:`engine_settings` the run knows before its model loads, a subset) are
+    the engine's. Does nothing on CPU, where a new engine replaces the old.
+
+    Raises:
+        EngineStateError: naming each setting that differs and the fix (restart the process).
+    """
+    if on_cpu():
+        return
+    previous = live_engine()
+    if previous is None and not _sleep_engine_was_closed:
+        return
+    if previous is not None and all(previous.settings.get(key) == value for key, value in settings.items()):
+        return
+    raise EngineStateError(_second_sleep_engine_message(previous, settings))
+
+
 def live_engine() -> Engine | None:
     """The open engine of this process, if any."""
     engine = _live_engine() if _live_engine is not None else None

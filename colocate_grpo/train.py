@@ -23,6 +23,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
+from colocate_grpo.engine import engine_lora_rank, engine_settings, refuse_unservable_run
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
     MemoryPlan,
@@ -191,6 +192,7 @@ def build_trainer(
     from colocate_grpo import models
 
     inputs = check_inputs(config)
+    refuse_unservable_run(settings_known_before_loading(config, inputs.path))
     device, dtype, plan = inputs.device, inputs.dtype, inputs.plan
     args = grpo_args(config, device, dtype)
     with device_memory_errors("load the model and start the engine", plan, config):
@@ -227,6 +229,22 @@ def build_trainer(
     trainer.run_config = config
     trainer.memory_plan = plan
     return trainer
+
+
+def settings_known_before_loading(config: Config, path: str) -> dict[str, Any]:
+    """The engine's settings (named as :func:`~colocate_grpo.engine.engine_settings` names them) that ``config``
+    fixes before the model at ``path`` loads: all but the dtype and, unless set, ``vllm.max_model_len``, which
+    the trainer reads off the loaded model (its weights' dtype, its context)."""
+    settings = engine_settings(
+        path,
+        config.vllm,
+        dtype=config.vllm.dtype,
+        max_lora_rank=engine_lora_rank(config.lora_r) if config.serves_adapter else None,
+        fp32_head=bool(config.trl.get("cast_lm_head_to_fp32")),
+        quantization="bitsandbytes" if config.load_in_4bit else None,
+    )
+    derived = {"dtype"} | ({"vllm.max_model_len"} if config.vllm.max_model_len is None else set())
+    return {key: value for key, value in settings.items() if key not in derived}
 
 
 def plan_device_memory(

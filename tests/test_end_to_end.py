@@ -12,10 +12,10 @@ from vllm import SamplingParams
 
 from colocate_grpo.config import ConfigError, load_config
 from colocate_grpo.dashboard import summary
-from colocate_grpo.engine import live_engine
+from colocate_grpo.engine import EngineStateError, live_engine
 from colocate_grpo.memory_plan import kv_cache_bytes
 from colocate_grpo.sync import save_merged, served_weight_mismatches
-from colocate_grpo.train import build_trainer, default_config_path, train
+from colocate_grpo.train import build_trainer, check_inputs, default_config_path, settings_known_before_loading, train
 
 # Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
@@ -180,6 +180,35 @@ def test_a_second_run_reuses_the_sleeping_engine(tmp_path):
     second = train(tiny_config(tmp_path / "b", max_steps=1))
     assert live_engine() is engine
     assert first.metrics.series("reward") and second.metrics.series("reward")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"lora_r": 12, "trl": {"vllm_lora_sync": True, "cast_lm_head_to_fp32": True}},
+        {"adapter": None, "vllm": {"enforce_eager": True, "max_model_len": 48}},
+    ],
+    ids=["merge-aware", "adapter-fp32-head", "full-fine-tuning"],
+)
+def test_a_run_the_live_engine_cannot_serve_is_refused_before_its_model_loads(tmp_path, overrides, monkeypatch):
+    """On a GPU, where vLLM allows one sleep-mode engine per process: what the config fixes before loading is the
+    engine's own settings (no false refusal), and a run that changes one is refused by name, loading nothing."""
+    trl, vllm = overrides.get("trl"), overrides.get("vllm")
+    config = tiny_config(tmp_path, trl=trl, **{k: v for k, v in overrides.items() if k not in ("trl", "vllm")})
+    if vllm:
+        config = load_config({**config.to_dict(), "vllm": vllm})
+    trainer = build_trainer(config)
+    known = settings_known_before_loading(config, check_inputs(config).path)
+    assert known.items() <= trainer.engine.settings.items()
+    monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
+    changed = load_config({**config.to_dict(), "vllm": {**config.to_dict()["vllm"], "enforce_eager": False}})
+    loads = []
+    monkeypatch.setattr("colocate_grpo.models.load_model", lambda *args: loads.append(args))
+    with pytest.raises(EngineStateError, match=r"vllm.enforce_eager True \(this run: False\)"):
+        build_trainer(changed)
+    assert not loads
+    trainer.engine.sleep()
 
 
 @pytest.mark.parametrize(("stop", "detokenize"), [(None, False), (["\n"], True)])
