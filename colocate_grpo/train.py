@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,18 +233,27 @@ def build_trainer(
 
 def settings_known_before_loading(config: Config, path: str) -> dict[str, Any]:
     """The engine's settings (named as :func:`~colocate_grpo.engine.engine_settings` names them) that ``config``
-    fixes before the model at ``path`` loads: all but the dtype and, unless set, ``vllm.max_model_len``, which
-    the trainer reads off the loaded model (its weights' dtype, its context)."""
+    and the model's config file fix before the model at ``path`` loads: all but the dtype, which the trainer
+    reads off the loaded weights."""
+    from transformers import AutoConfig
+
+    max_model_len = config.vllm.max_model_len
+    if max_model_len is None:  # prompt + completion within the model's context, as the trainer derives it
+        try:
+            context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+            max_model_len = min(config.engine_max_model_len, context or config.engine_max_model_len)
+        except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: the trainer's check decides
+            pass
     settings = engine_settings(
         path,
-        config.vllm,
+        replace(config.vllm, max_model_len=max_model_len),
         dtype=config.vllm.dtype,
         max_lora_rank=engine_lora_rank(config.lora_r) if config.serves_adapter else None,
         fp32_head=bool(config.trl.get("cast_lm_head_to_fp32")),
         quantization="bitsandbytes" if config.load_in_4bit else None,
     )
-    derived = {"dtype"} | ({"vllm.max_model_len"} if config.vllm.max_model_len is None else set())
-    return {key: value for key, value in settings.items() if key not in derived}
+    unknown = {"dtype"} | ({"vllm.max_model_len"} if max_model_len is None else set())
+    return {key: value for key, value in settings.items() if key not in unknown}
 
 
 def plan_device_memory(

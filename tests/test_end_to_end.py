@@ -202,12 +202,15 @@ def test_a_run_the_live_engine_cannot_serve_is_refused_before_its_model_loads(tm
     known = settings_known_before_loading(config, check_inputs(config).path)
     assert known.items() <= trainer.engine.settings.items()
     monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
-    changed = load_config({**config.to_dict(), "vllm": {**config.to_dict()["vllm"], "enforce_eager": False}})
+    raw = config.to_dict()
+    raw["vllm"]["enforce_eager"] = False
+    raw["trl"]["max_completion_length"] += 4  # a longer engine budget, unless max_model_len is set
     loads = []
     monkeypatch.setattr("colocate_grpo.models.load_model", lambda *args: loads.append(args))
-    with pytest.raises(EngineStateError, match=r"vllm.enforce_eager True \(this run: False\)"):
-        build_trainer(changed)
+    with pytest.raises(EngineStateError, match=r"vllm.enforce_eager True \(this run: False\)") as refusal:
+        build_trainer(load_config(raw))
     assert not loads
+    assert ("vllm.max_model_len 20 (this run: 24)" in str(refusal.value)) is (config.vllm.max_model_len is None)
     trainer.engine.sleep()
 
 
