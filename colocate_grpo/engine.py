@@ -143,6 +143,7 @@ class Engine:
         self.quantization = quantization
         self.fp32_head = fp32_head
         self.sequence_tokens = sequence_tokens
+        self.max_num_seqs = max_num_seqs
         self.adapter_request: Any = None  # vLLM's LoRARequest once an adapter is loaded (load_adapter)
         self._adapter_directory: tempfile.TemporaryDirectory | None = None
         self.cpu = on_cpu()
@@ -583,6 +584,20 @@ class Engine:
         """True when this open engine was built for ``settings`` (:func:`engine_settings`)."""
         return not self.closed and self.settings == settings
 
+    def batch_shortfall(self, max_num_seqs: int | None, sequence_tokens: int | None) -> str | None:
+        """What keeps this engine from generating a batch of ``max_num_seqs`` sequences of ``sequence_tokens``
+        tokens in one pass (it was built for a smaller one), in words; None when nothing does."""
+        shortfalls = []
+        if max_num_seqs and self.max_num_seqs and max_num_seqs > self.max_num_seqs:
+            shortfalls.append(f"{max_num_seqs} sequences at once where it generates {self.max_num_seqs}")
+        if self.options.kv_cache == "batch" and sequence_tokens and self.sequence_tokens:
+            budget = self.options.max_model_len or sequence_tokens
+            if min(sequence_tokens, budget) > min(self.sequence_tokens, budget):
+                shortfalls.append(
+                    f"sequences of {sequence_tokens} tokens where its KV cache holds {self.sequence_tokens}"
+                )
+        return "; ".join(shortfalls) or None
+
     @property
     def head_dtype(self) -> torch.dtype:
         """The dtype the engine computes its logits in (vLLM's ``model_config.head_dtype``)."""
@@ -734,7 +749,9 @@ def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16",
     """The live engine when it serves this model, dtype and options; else a new one (closing the old).
 
     Every sync pushes all weights, so an engine can serve one trainer after another: notebooks that
-    re-run a training cell reuse it instead of starting (and leaking) another.
+    re-run a training cell reuse it instead of starting (and leaking) another. An engine built for a smaller
+    generation batch (``max_num_seqs``, ``sequence_tokens``) is replaced on CPU; on a GPU, where it is the
+    process's one sleep-mode engine, it is reused with a warning, generating the batch in several passes.
     """
     engine = live_engine()
     wanted = engine_settings(
@@ -746,7 +763,17 @@ def shared_engine(model_path: str, options: VLLMConfig, dtype: str = "bfloat16",
         kwargs.get("quantization"),
     )
     if engine is not None and engine.serves(wanted):
-        return engine
+        shortfall = engine.batch_shortfall(kwargs.get("max_num_seqs"), kwargs.get("sequence_tokens"))
+        if shortfall is None:
+            return engine
+        if not on_cpu():  # the one sleep-mode engine this process may have: slower, not refused
+            logger.warning(
+                "The colocated engine was built for an earlier run's smaller generation batch: this run needs %s, "
+                "so vLLM generates it in several passes. Restart the Python process (in a notebook: the kernel) "
+                "to size the engine for this run.",
+                shortfall,
+            )
+            return engine
     return Engine(model_path, options, dtype=dtype, **kwargs)
 
 

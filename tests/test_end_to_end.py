@@ -214,6 +214,13 @@ def test_a_run_the_live_engine_cannot_serve_is_refused_before_its_model_loads(tm
     trainer.engine.sleep()
 
 
+def test_a_run_with_a_larger_generation_batch_gets_an_engine_sized_for_it_on_cpu(tmp_path):
+    first = build_trainer(tiny_config(tmp_path / "a", max_steps=1))
+    second = build_trainer(tiny_config(tmp_path / "b", max_steps=1, micro_batch_size=128))
+    assert first.engine.closed and second.engine.max_num_seqs == 128
+    second.engine.sleep()
+
+
 @pytest.mark.parametrize(("stop", "detokenize"), [(None, False), (["\n"], True)])
 def test_completions_are_not_detokenized_unless_stop_strings_need_it(tmp_path, stop, detokenize):
     trl = {"generation_kwargs": {"stop": stop}} if stop else None

@@ -94,6 +94,22 @@ def test_an_engine_for_other_settings_is_refused_by_name_where_one_sleep_mode_en
         assert not engine.closed and engine.generate(PROMPT, GREEDY)  # refused before the live engine is closed
 
 
+def test_an_engine_built_for_a_smaller_batch_says_so_and_is_reused_with_a_warning_on_a_gpu(engine, monkeypatch, caplog):
+    path = str(tiny_model_path())
+    options = VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32)
+    monkeypatch.setattr(engine, "max_num_seqs", 4)
+    monkeypatch.setattr(engine, "sequence_tokens", 16)
+    assert engine.batch_shortfall(4, 16) is None and engine.batch_shortfall(2, 8) is None
+    assert engine.batch_shortfall(8, 16) == "8 sequences at once where it generates 4"
+    assert engine.batch_shortfall(4, 40) == "sequences of 40 tokens where its KV cache holds 16"  # 32 of them fit
+    monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
+    with caplog.at_level("WARNING", logger="colocate_grpo.engine"):
+        assert shared_engine(path, options, seed=0, max_num_seqs=8, sequence_tokens=16) is engine
+    assert "this run needs 8 sequences at once where it generates 4, so vLLM generates it in several passes" in (
+        caplog.text
+    )
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_generate_while_asleep_is_refused_not_hung(engine, level):
     engine.sleep(level)
