@@ -182,6 +182,12 @@ def test_a_second_run_reuses_the_sleeping_engine(tmp_path):
     assert first.metrics.series("reward") and second.metrics.series("reward")
 
 
+SEVERAL_ENGINES = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="builds engines of several settings: vLLM allows one per GPU process"
+)
+
+
+@SEVERAL_ENGINES
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -199,21 +205,24 @@ def test_a_run_the_live_engine_cannot_serve_is_refused_before_its_model_loads(tm
     if vllm:
         config = load_config({**config.to_dict(), "vllm": vllm})
     trainer = build_trainer(config)
-    known = settings_known_before_loading(config, check_inputs(config).path)
-    assert known.items() <= trainer.engine.settings.items()
-    monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
-    raw = config.to_dict()
-    raw["vllm"]["enforce_eager"] = False
-    raw["trl"]["max_completion_length"] += 4  # a longer engine budget, unless max_model_len is set
-    loads = []
-    monkeypatch.setattr("colocate_grpo.models.load_model", lambda *args: loads.append(args))
-    with pytest.raises(EngineStateError, match=r"vllm.enforce_eager True \(this run: False\)") as refusal:
-        build_trainer(load_config(raw))
-    assert not loads
-    assert ("vllm.max_model_len 20 (this run: 24)" in str(refusal.value)) is (config.vllm.max_model_len is None)
-    trainer.engine.sleep()
+    try:
+        known = settings_known_before_loading(config, check_inputs(config).path)
+        assert known.items() <= trainer.engine.settings.items()
+        monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
+        raw = config.to_dict()
+        raw["vllm"]["enforce_eager"] = False
+        raw["trl"]["max_completion_length"] += 4  # a longer engine budget, unless max_model_len is set
+        loads = []
+        monkeypatch.setattr("colocate_grpo.models.load_model", lambda *args: loads.append(args))
+        with pytest.raises(EngineStateError, match=r"vllm.enforce_eager True \(this run: False\)") as refusal:
+            build_trainer(load_config(raw))
+        assert not loads
+        assert ("vllm.max_model_len 20 (this run: 24)" in str(refusal.value)) is (config.vllm.max_model_len is None)
+    finally:
+        trainer.engine.sleep()
 
 
+@SEVERAL_ENGINES
 def test_a_run_with_a_larger_generation_batch_gets_an_engine_sized_for_it_on_cpu(tmp_path):
     first = build_trainer(tiny_config(tmp_path / "a", max_steps=1))
     second = build_trainer(tiny_config(tmp_path / "b", max_steps=1, micro_batch_size=128))
