@@ -719,6 +719,12 @@ def _second_sleep_engine_message(previous: Engine | None, wanted: dict[str, Any]
     )
 
 
+def derived_max_model_len(budget: int | None, context: int | None) -> int | None:
+    """The engine's ``max_model_len`` where ``vllm.max_model_len`` is unset: the run's prompt + completion
+    ``budget`` (tokens), at most the model's ``context`` (vLLM refuses a longer one); None when neither is known."""
+    return min((n for n in (budget, context) if n), default=None)
+
+
 def refuse_unservable_run(settings: dict[str, Any]) -> None:
     """On a GPU, refuse a run that this process's engine cannot serve, before the run loads its model.
 

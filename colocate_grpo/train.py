@@ -23,7 +23,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
-from colocate_grpo.engine import engine_lora_rank, engine_settings, refuse_unservable_run
+from colocate_grpo.engine import derived_max_model_len, engine_lora_rank, engine_settings, refuse_unservable_run
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
     MemoryPlan,
@@ -238,10 +238,10 @@ def settings_known_before_loading(config: Config, path: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     max_model_len = config.vllm.max_model_len
-    if max_model_len is None:  # prompt + completion within the model's context, as the trainer derives it
+    if max_model_len is None:
         try:
             context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-            max_model_len = min(config.engine_max_model_len, context or config.engine_max_model_len)
+            max_model_len = derived_max_model_len(config.engine_max_model_len, context)
         except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: the trainer's check decides
             pass
     settings = engine_settings(

@@ -27,7 +27,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.engine import Engine, Weights, engine_lora_rank, shared_engine
+from colocate_grpo.engine import Engine, Weights, derived_max_model_len, engine_lora_rank, shared_engine
 from colocate_grpo.head import add_fp32_head
 from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
 from colocate_grpo.memory_plan import MIN_NUM_SEQS
@@ -322,9 +322,8 @@ class ColocateGRPOTrainer(GRPOTrainer):
             if engine is not None and not engine.closed:
                 return engine
             dtype = model.get_input_embeddings().weight.dtype
-            # The derived budget stops at the model's context: vLLM refuses a longer one.
             context = getattr(model.config, "max_position_embeddings", None)
-            derived = min((n for n in (args.vllm_max_model_length, context) if n), default=None)
+            derived = derived_max_model_len(args.vllm_max_model_length, context)
             # TRL's generation batch, as GRPOTrainer gives it to VLLMGeneration.
             batch = args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
             return shared_engine(
