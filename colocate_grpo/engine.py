@@ -725,21 +725,21 @@ def derived_max_model_len(budget: int | None, context: int | None) -> int | None
     return min((n for n in (budget, context) if n), default=None)
 
 
-def refuse_unservable_run(settings: dict[str, Any]) -> None:
+def refuse_unservable_run(known_settings: Callable[[], dict[str, Any]]) -> None:
     """On a GPU, refuse a run that this process's engine cannot serve, before the run loads its model.
 
     vLLM allows one sleep-mode engine per process, so a later run is served only by the live engine, and only
-    when ``settings`` (those of :func:`engine_settings` the run knows before its model loads, a subset) are
-    the engine's. Does nothing on CPU, where a new engine replaces the old.
+    when the settings ``known_settings()`` returns (those of :func:`engine_settings` the run knows before its
+    model loads, a subset) are the engine's. It is called only where an engine came before, so a process's
+    first run reads nothing. Does nothing on CPU, where a new engine replaces the old.
 
     Raises:
         EngineStateError: naming each setting that differs and the fix (restart the process).
     """
-    if on_cpu():
-        return
     previous = live_engine()
-    if previous is None and not _sleep_engine_was_closed:
+    if on_cpu() or (previous is None and not _sleep_engine_was_closed):
         return
+    settings = known_settings()
     if previous is not None and all(previous.settings.get(key) == value for key, value in settings.items()):
         return
     raise EngineStateError(_second_sleep_engine_message(previous, settings))

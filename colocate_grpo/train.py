@@ -192,7 +192,7 @@ def build_trainer(
     from colocate_grpo import models
 
     inputs = check_inputs(config)
-    refuse_unservable_run(settings_known_before_loading(config, inputs.path))
+    refuse_unservable_run(lambda: settings_known_before_loading(config, inputs.path))
     device, dtype, plan = inputs.device, inputs.dtype, inputs.plan
     args = grpo_args(config, device, dtype)
     with device_memory_errors("load the model and start the engine", plan, config):
