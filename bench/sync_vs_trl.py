@@ -24,7 +24,8 @@ share (sleep + wake + sync over the step), device memory after each phase, mean
     python bench/sync_vs_trl.py --shapes tiny --kinds ours --steps 3                     # CPU check
     python bench/sync_vs_trl.py --shapes 1.5B --kinds stock user user-merged user-adapter --steps 200 --together
         # the mismatch over 200 steps, the four runs side by side on the device (their times are not a run's alone);
-        # --train-seconds 450 ends each within a time limit, at the steps it reached
+        # --train-seconds 450 ends each within a time limit, at the steps it reached; --completion-tokens 128
+        # halves a step, for more steps within one
 
 Settings of the measured runs: LoRA r=16 on all linears, 8 prompts x 8 generations, up to 256
 completion tokens, vllm_gpu_memory_utilization 0.3, bf16, gradient checkpointing, lr 1e-5, the reward
@@ -277,6 +278,7 @@ def pool_layout() -> dict[str, list[int]]:
 
 GENERATION_BATCH = 64  # sequences generated a step: 8 prompts x 8 generations
 NUM_GENERATIONS = 8
+COMPLETION_TOKENS = 256  # the most a completion may have; random weights rarely stop sooner
 PROMPTS = 256
 STEPS_PER_PASS = PROMPTS // (GENERATION_BATCH // NUM_GENERATIONS)  # steps that draw every prompt once
 
@@ -299,6 +301,7 @@ def user_config(
     directory: Path,
     kind: str = "user",
     micro_batch: int = 64,
+    completion_tokens: int = COMPLETION_TOKENS,
 ) -> dict:
     """The config a user writes for this run: model, dataset, reward and batch keys, all else default
     (plus, for ``user-*`` kinds, the key that picks how the policy is served: ``USER_SERVING``)."""
@@ -318,7 +321,7 @@ def user_config(
         "trl": {
             "reward_funcs": ["sync_vs_trl.half_vocabulary_reward"],
             "num_generations": NUM_GENERATIONS,
-            "max_completion_length": 4 if tiny else 256,
+            "max_completion_length": 4 if tiny else completion_tokens,
             **serving.get("trl", {}),
         },
     }
@@ -340,6 +343,7 @@ def grpo_args(
     micro_batch: int,
     learning_rate: float | None,
     device_total: int,
+    completion_tokens: int = COMPLETION_TOKENS,
 ) -> GRPOConfig:
     """Stock TRL's settings for these runs (``ours*`` kinds take them too; ``user*`` kinds take the user's config).
     ``device_total``: the device's bytes (0 on a CPU)."""
@@ -352,7 +356,7 @@ def grpo_args(
         per_device_train_batch_size=micro_batch,
         gradient_accumulation_steps=GENERATION_BATCH // micro_batch,
         num_generations=NUM_GENERATIONS,
-        max_completion_length=4 if tiny else 256,
+        max_completion_length=4 if tiny else completion_tokens,
         learning_rate=1e-5 if learning_rate is None else learning_rate,
         max_steps=steps,
         logging_steps=1,
@@ -533,6 +537,7 @@ def run_one(
     repeat_syncs: int = 10,
     train_seconds: float | None = None,
     learning_rate: float | None = None,
+    completion_tokens: int = COMPLETION_TOKENS,
 ) -> dict:
     """One training run in this process; returns its measurements. With ``train_seconds`` the run stops
     after the first step that ends past that many seconds of training; its results are of the steps run.
@@ -552,7 +557,7 @@ def run_one(
     taken = take_device_memory(card_gib) if card_gib else None  # noqa: F841 (held for the run)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dataset = Dataset.from_dict({"prompt": benchmark_prompts(model_path, PROMPTS)})
-    args = grpo_args(kind, steps, tiny, card_gib, micro_batch, learning_rate, device_total)
+    args = grpo_args(kind, steps, tiny, card_gib, micro_batch, learning_rate, device_total, completion_tokens)
     if kind.endswith("-own"):  # what sharing the base weights saves, and costs
         import colocate_grpo.trainer as trainer_module
 
@@ -561,7 +566,14 @@ def run_one(
         from colocate_grpo.train import build_trainer
 
         config = user_config(
-            model_path, dataset["prompt"], steps, tiny, Path(f"/tmp/sync_vs_trl/{kind}"), kind, micro_batch
+            model_path,
+            dataset["prompt"],
+            steps,
+            tiny,
+            Path(f"/tmp/sync_vs_trl/{kind}"),
+            kind,
+            micro_batch,
+            completion_tokens,
         )
         if learning_rate is not None:
             config["learning_rate"] = learning_rate
@@ -713,6 +725,13 @@ def main() -> None:
         help="instead of 1e-5; one too small to move the weights (1e-12) is a control for the mismatch over a "
         "long run: what the engine's cycles and the prompts do to it without training",
     )
+    parser.add_argument(
+        "--completion-tokens",
+        type=int,
+        default=COMPLETION_TOKENS,
+        help="the most tokens a completion may have (the tiny model: 4); fewer for more steps within a time "
+        "limit, as in the mismatch over a long run",
+    )
     parser.add_argument("--child", nargs=3, metavar=("KIND", "MODEL_PATH", "JSON"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("TRL_TELEMETRY", "0")
@@ -729,6 +748,7 @@ def main() -> None:
             repeat_syncs=args.repeat_syncs,
             train_seconds=args.train_seconds,
             learning_rate=args.learning_rate,
+            completion_tokens=args.completion_tokens,
         )
         Path(out).write_text(json.dumps(result))
         return
@@ -749,6 +769,7 @@ def main() -> None:
             if args.card_gib:
                 command += ["--card-gib", str(args.card_gib)]
             command += ["--micro-batch", str(args.micro_batch), "--repeat-syncs", str(args.repeat_syncs)]
+            command += ["--completion-tokens", str(args.completion_tokens)]
             if args.train_seconds is not None:
                 command += ["--train-seconds", str(args.train_seconds)]
             if args.learning_rate is not None:
