@@ -730,8 +730,8 @@ def refuse_unservable_run(known_settings: Callable[[], dict[str, Any]]) -> None:
 
     vLLM allows one sleep-mode engine per process, so a later run is served only by the live engine, and only
     when the settings ``known_settings()`` returns (those of :func:`engine_settings` the run knows before its
-    model loads, a subset) are the engine's. It is called only where an engine came before, so a process's
-    first run reads nothing. Does nothing on CPU, where a new engine replaces the old.
+    model loads, a subset) are the engine's. ``known_settings`` is called only where an engine came before, so a
+    process's first run reads nothing. Does nothing on CPU, where a new engine replaces the old.
 
     Raises:
         EngineStateError: naming each setting that differs and the fix (restart the process).
