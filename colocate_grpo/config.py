@@ -201,30 +201,6 @@ class Config:
     def max_completion_length(self) -> int:
         return int(self.trl_settings["max_completion_length"])
 
-    @property
-    def serves_adapter(self) -> bool:
-        """Whether vLLM serves the LoRA adapter on the base (trl.vllm_lora_sync, or a 4-bit base) rather than merged
-        weights. The base then never changes, and the trainer and the engine hold one copy of it."""
-        return self.adapter == "lora" and bool(self.trl.get("vllm_lora_sync") or self.load_in_4bit)
-
-    @property
-    def shares_base_weights(self) -> bool:
-        """Whether the trainer's base weights are the engine's (one copy on the device): LoRA, served either way.
-        Merged serving merges into them in place for each generation and restores them bitwise."""
-        return self.adapter == "lora"
-
-    @property
-    def engine_max_model_len(self) -> int:
-        """The engine's token budget per sequence: vllm.max_model_len, else prompt + completion."""
-        return self.vllm.max_model_len or self.max_prompt_length + self.max_completion_length
-
-    def sequence_tokens(self, longest_prompt: int | None = None) -> int:
-        """Tokens one generated sequence takes at most: the dataset's ``longest_prompt`` (None:
-        max_prompt_length) plus the completion, within the engine's max_model_len. The KV cache and
-        the training activations are sized by it."""
-        prompt = self.max_prompt_length if longest_prompt is None else min(longest_prompt, self.max_prompt_length)
-        return min(self.engine_max_model_len, prompt + self.max_completion_length)
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

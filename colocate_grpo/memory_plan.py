@@ -1,20 +1,18 @@
-"""The memory plan: what a run needs on the device, known before the model loads.
+"""The memory plan's byte arithmetic: what a run needs on the device, by part.
 
 A colocated run peaks while the engine generates: the trainer's weights, gradients and
 optimizer states stay on the device, and the engine's weights, KV cache, CUDA graphs and
 forward activations join them. Training then needs its own activations while the engine
-sleeps. :func:`plan_memory` adds these up from the model's config file and the run's
-config, so that a run that cannot fit is refused with the numbers and the fixes before
-anything heavy starts, and the engine takes what it needs rather than a fixed fraction
-of the device (``vllm.gpu_memory_utilization: auto``).
+sleeps. :func:`plan_memory` adds up the parts that :mod:`colocate_grpo.plan` sized from
+the model's shape and the run's settings, so that a run that cannot fit is refused with the
+numbers and the fixes before anything heavy starts. Nothing here reads a config: every
+number comes in as an argument.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -29,14 +27,10 @@ CUDA_GRAPH_BYTES = GIB
 # vLLM's KV cache blocks hold 16 to 128 tokens (by attention backend; 128 on CPU) and a sequence's last block
 # is partly empty: its length rounded up to 64 tokens, plus 64, covers every block size up to 128.
 _KV_BLOCK_TOKENS = 64
-# The engine's batch (max_num_seqs) is TRL's generation batch, micro_batch_size x gradient_accumulation_steps, and
-# at least this. vLLM 0.26 crashed in its warm-up on the H200 with 16 (an illegal memory access) and ran with 64.
-# Its own default there, 1024, costs memory that sleep mode does not free (CUDA graphs for batches up to 512).
-MIN_NUM_SEQS = 64
 # A trainable parameter's gradient and AdamW's two moments: three more copies of it. LoRA weights are fp32 (PEFT
 # upcasts adapters), and so are their gradients and moments; full fine-tuning keeps all in the model's dtype.
 _TRAINING_COPIES = 3
-_LORA_ITEMSIZE = 4
+LORA_ITEMSIZE = 4
 # A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer
 # computes with the same). Embeddings, head and norms stay in the model's dtype.
 _NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
@@ -59,13 +53,14 @@ class DeviceMemoryError(RuntimeError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the plan needs to know of a model, read from its config file alone.
+    """What the plan needs to know of a model, read from its config alone (no weights).
 
     Attributes:
         parameters: all parameters (a tied head counted once).
         linear_shapes: (name, out_features, in_features) of every linear layer but the head.
         layers, hidden_size, intermediate_size, vocab_size: the architecture's dimensions.
-        kv_bytes_per_token: bytes of keys and values one token takes in the KV cache, all layers.
+        kv_values_per_token: keys and values one token keeps in the KV cache, all layers (None: unknown).
+        context: the longest sequence the model was built for (``max_position_embeddings``; None: unknown).
     """
 
     parameters: int
@@ -74,18 +69,33 @@ class ModelShape:
     hidden_size: int
     intermediate_size: int
     vocab_size: int
-    kv_bytes_per_token: int | None
+    kv_values_per_token: int | None
+    context: int | None = None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int | None:
+        """Bytes one token takes in a KV cache of ``dtype``; None when the config does not say."""
+        return None if self.kv_values_per_token is None else self.kv_values_per_token * dtype.itemsize
 
 
-def model_shape(model_path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> ModelShape | None:
-    """The model's shape, built on the meta device from its config (no weights read); None if unreadable."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def model_shape(model_path: str, trust_remote_code: bool = False) -> ModelShape | None:
+    """The shape of the model at ``model_path`` from its config file; None if transformers cannot read it."""
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows, or no config to read
+        return None
+    return shape_of(config, trust_remote_code)
+
+
+def shape_of(config: object, trust_remote_code: bool = False) -> ModelShape | None:
+    """The shape of a model with this transformers ``config``, built on the meta device; None if it cannot be."""
+    from transformers import AutoModelForCausalLM
+
+    try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows, or no config to read
+    except (OSError, ValueError, KeyError):
         return None
     head = model.get_output_embeddings()
     linears = [
@@ -101,11 +111,12 @@ def model_shape(model_path: str, dtype: torch.dtype, trust_remote_code: bool = F
         hidden_size=text.hidden_size,
         intermediate_size=getattr(text, "intermediate_size", 4 * text.hidden_size),
         vocab_size=text.vocab_size,
-        kv_bytes_per_token=_kv_bytes_per_token(text, dtype.itemsize),
+        kv_values_per_token=_kv_values_per_token(text),
+        context=getattr(text, "max_position_embeddings", None),
     )
 
 
-def _kv_bytes_per_token(text_config: object, itemsize: int) -> int | None:
+def _kv_values_per_token(text_config: object) -> int | None:
     layers = getattr(text_config, "num_hidden_layers", None)
     heads = getattr(text_config, "num_attention_heads", None)
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
@@ -113,56 +124,20 @@ def _kv_bytes_per_token(text_config: object, itemsize: int) -> int | None:
     head_dim = getattr(text_config, "head_dim", None) or (hidden // heads if heads and hidden else None)
     if not (layers and kv_heads and head_dim):
         return None
-    return 2 * layers * kv_heads * head_dim * itemsize
+    return 2 * layers * kv_heads * head_dim
 
 
 def kv_cache_bytes(kv_bytes_per_token: int, max_num_seqs: int, sequence_tokens: int, max_model_len: int = 0) -> int:
     """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``sequence_tokens`` tokens at once, and never
-    less than one sequence of ``max_model_len`` tokens (vLLM does not start with less)."""
+    less than one sequence of ``max_model_len`` tokens (vLLM does not start with less).
+
+    Counts keys and values of every layer at full attention (an upper bound for sliding-window or hybrid models).
+    """
 
     def whole_blocks(tokens: int) -> int:  # and a block to spare: a sequence's last block is partly empty
         return (-(-tokens // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
 
     return kv_bytes_per_token * max(whole_blocks(sequence_tokens) * max_num_seqs, whole_blocks(max_model_len))
-
-
-def batch_kv_cache_bytes(
-    model_path: str,
-    max_num_seqs: int,
-    sequence_tokens: int,
-    dtype: str,
-    trust_remote_code: bool = False,
-    max_model_len: int = 0,
-) -> int | None:
-    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``sequence_tokens`` tokens at once (at least
-    one of ``max_model_len``).
-
-    Counts keys and values of every layer at full attention (an upper bound for sliding-window or
-    hybrid models). None when transformers cannot read the model's config or it does not give
-    layers, heads and head size.
-    """
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
-    except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: it sizes the cache itself
-        return None
-    per_token = _kv_bytes_per_token(config, getattr(torch, dtype).itemsize)
-    return None if per_token is None else kv_cache_bytes(per_token, max_num_seqs, sequence_tokens, max_model_len)
-
-
-def checkpoint_bytes(model_path: str) -> int | None:
-    """Bytes of the model's weight files (local directory or Hugging Face cache), or None if not found."""
-    directory = Path(model_path)
-    if not directory.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
-
-            directory = Path(snapshot_download(model_path, local_files_only=True))
-        except Exception:  # not cached, or not a hub id: vLLM sizes the cache itself
-            return None
-    files = list(directory.glob("*.safetensors")) or list(directory.glob("*.bin"))
-    return sum(f.stat().st_size for f in files) or None
 
 
 def weight_bytes(shape: ModelShape, dtype: torch.dtype, four_bit: bool = False) -> int:
@@ -186,7 +161,7 @@ class MemoryPlan:
 
     Attributes:
         trainer_weights: the trainer's model (base weights and adapters; the adapters alone where the
-            base weights are the engine's, ``Config.shares_base_weights``).
+            base weights are the engine's, ``RunPlan.shared_base``).
         trainer_states: gradients and AdamW moments of the trainable parameters.
         engine_weights: the engine's weights (the LoRA merged into them at every sync, unless the
             engine serves the adapter).
@@ -243,58 +218,57 @@ def _gib(n: int) -> str:
 
 
 def plan_memory(
-    config: Config,
-    shape: ModelShape,
-    dtype: torch.dtype,
+    *,
+    trainer_weights: int,
+    trainer_states: int,
+    engine_weights: int,
+    merged_weights: int,
+    kv_cache: int,
+    cuda_graphs: bool,
+    activations: int,
     free: int,
     total: int,
-    longest_prompt: int | None = None,
     host_free: int | None = None,
 ) -> MemoryPlan:
-    """The run's memory plan on a device with ``free`` of ``total`` bytes.
+    """The run's memory plan on a device with ``free`` of ``total`` bytes, from its parts in bytes.
 
     Args:
-        shape: the model's shape (:func:`model_shape`).
-        dtype: the training dtype; the engine serves the same.
-        longest_prompt: the dataset's longest prompt in tokens; None plans for max_prompt_length.
-        host_free: host memory available, in bytes. Where merged serving's record would not fit on the
-            device and its byte per merged weight fits in the host memory that loading the model leaves,
-            the plan keeps it there (``MemoryPlan.merge_record_host``), also when the device is short even
-            so. None: the device alone.
+        merged_weights: how many base weights a merged sync overwrites in place (0 where nothing is merged
+            into a shared base); the record that restores them takes about a byte each.
+        cuda_graphs: whether the engine captures CUDA graphs (their memory is counted).
+        host_free: host memory available, in bytes. Where the merge record would not fit on the device and
+            its byte per merged weight fits in the host memory that loading the model leaves, the plan keeps
+            it there (``MemoryPlan.merge_record_host``), also when the device is short even so. None: the
+            device alone.
     """
-    weights = weight_bytes(shape, dtype, four_bit=config.load_in_4bit)
-    record = 0
-    if config.adapter == "lora":
-        adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
-        adapter = sum(config.lora_r * (out + in_) for out, in_ in adapted) * _LORA_ITEMSIZE
-        # LoRA's base is the engine's copy (Config.shares_base_weights): the trainer adds only its adapter, and
-        # merged serving the record that restores the base after each generation.
-        trainer_weights, states = adapter, _TRAINING_COPIES * adapter
-        if not config.serves_adapter:
-            record = int(sum(out * in_ for out, in_ in adapted) * _MERGE_RECORD_BYTES_PER_WEIGHT)
-    else:
-        trainer_weights, states = weights, _TRAINING_COPIES * weights
-    max_num_seqs = max(MIN_NUM_SEQS, config.micro_batch_size * config.gradient_accumulation_steps)
-    tokens = config.sequence_tokens(longest_prompt)
-    kv = kv_cache_bytes(shape.kv_bytes_per_token or 0, max_num_seqs, tokens, config.engine_max_model_len)
-    runtime = engine_bytes(0, 0, cuda_graphs=not config.vllm.enforce_eager)
     plan = MemoryPlan(
         trainer_weights=trainer_weights,
-        trainer_states=states,
-        engine_weights=weights,
-        merge_record=record,
+        trainer_states=trainer_states,
+        engine_weights=engine_weights,
+        merge_record=int(merged_weights * _MERGE_RECORD_BYTES_PER_WEIGHT),
         merge_record_host=0,
-        kv_cache=kv,
-        engine_runtime=runtime,
-        activations=training_activation_bytes(config, shape, dtype, longest_prompt),
+        kv_cache=kv_cache,
+        engine_runtime=engine_bytes(0, 0, cuda_graphs),
+        activations=activations,
         free=free,
         total=total,
     )
-    if plan.fits or not record or host_free is None:
+    if plan.fits or not merged_weights or host_free is None:
         return plan
     on_host = _record_on_host(plan)
     # Where neither fits, the refusal states the smaller need: the one that a larger card would meet.
     return on_host if _host_bytes_for_record(on_host) <= host_free else plan
+
+
+def training_bytes(trainable_parameters: int, itemsize: int) -> tuple[int, int]:
+    """The trainable parameters' bytes and those of their gradients and AdamW's two moments, in ``itemsize``."""
+    weights = trainable_parameters * itemsize
+    return weights, _TRAINING_COPIES * weights
+
+
+def lora_parameters(rank: int, adapted: list[tuple[int, int]]) -> int:
+    """Parameters of LoRA factors of ``rank`` on linears of these (out_features, in_features)."""
+    return sum(rank * (out + in_) for out, in_ in adapted)
 
 
 def _record_on_host(plan: MemoryPlan) -> MemoryPlan:
@@ -313,33 +287,32 @@ def _host_bytes_for_record(on_host: MemoryPlan) -> int:
     return on_host.merge_record_host + on_host.engine_weights
 
 
-def _adapted(config: Config, name: str) -> bool:
-    if config.lora_target_modules is None:
-        return config.lora_target_linear
-    leaf = name.rpartition(".")[2]
-    return any(leaf == target or fnmatch.fnmatch(name, target) for target in config.lora_target_modules)
-
-
 def training_activation_bytes(
-    config: Config, shape: ModelShape, dtype: torch.dtype, longest_prompt: int | None = None
+    shape: ModelShape,
+    dtype: torch.dtype,
+    micro_batch: int,
+    sequence_tokens: int,
+    completion_tokens: int,
+    gradient_checkpointing: bool,
+    fp32_head: bool,
 ) -> int:
-    """A rough estimate of one micro-batch's activations in the trainer's forward and backward.
+    """A rough estimate of one micro-batch's activations in the trainer's forward and backward, in bytes.
 
     Per token and layer, a decoder layer keeps about 12 hidden-sized and 3 intermediate-sized
     tensors for its backward (gradient checkpointing: one hidden-sized tensor, plus one layer's
     worth recomputed). The head adds its working memory (:func:`head_bytes`).
     """
-    tokens = config.micro_batch_size * config.sequence_tokens(longest_prompt)
+    tokens = micro_batch * sequence_tokens
     per_layer = (12 * shape.hidden_size + 3 * shape.intermediate_size) * dtype.itemsize
-    if config.gradient_checkpointing:
+    if gradient_checkpointing:
         layers = tokens * (shape.layers * shape.hidden_size * dtype.itemsize + per_layer)
     else:
         layers = tokens * shape.layers * per_layer
-    return layers + head_bytes(config, shape, dtype)
+    return layers + head_bytes(shape, dtype, micro_batch * completion_tokens, fp32_head)
 
 
-def head_bytes(config: Config, shape: ModelShape, dtype: torch.dtype) -> int:
-    """The trainer's head's working memory for one micro-batch, in bytes.
+def head_bytes(shape: ModelShape, dtype: torch.dtype, completion_tokens: int, fp32_head: bool) -> int:
+    """The trainer's head's working memory for a micro-batch of ``completion_tokens`` tokens, in bytes.
 
     TRL's fused head never holds the completion's logits: it scores them a tile at a time
     (``_HEAD_TILE_TOKENS`` x ``_HEAD_TILE_VOCAB``), in the model's dtype. The fp32 head
@@ -347,16 +320,16 @@ def head_bytes(config: Config, shape: ModelShape, dtype: torch.dtype) -> int:
     fp32 copy of one vocabulary tile of the head's weights, and keeps the completion's hidden
     states and their gradient in fp32.
     """
-    completion = config.micro_batch_size * config.max_completion_length
     vocab_tile = min(shape.vocab_size, _HEAD_TILE_VOCAB)
-    if not config.trl.get("cast_lm_head_to_fp32"):
-        return min(completion, _HEAD_TILE_TOKENS) * vocab_tile * dtype.itemsize
-    tile = min(completion, _HEAD_TILE_TOKENS) * vocab_tile * 4
-    return tile + vocab_tile * shape.hidden_size * 4 + 2 * completion * shape.hidden_size * 4
+    if not fp32_head:
+        return min(completion_tokens, _HEAD_TILE_TOKENS) * vocab_tile * dtype.itemsize
+    tile = min(completion_tokens, _HEAD_TILE_TOKENS) * vocab_tile * 4
+    return tile + vocab_tile * shape.hidden_size * 4 + 2 * completion_tokens * shape.hidden_size * 4
 
 
-def refusal(plan: MemoryPlan, config: Config) -> str:
-    """Why the run cannot fit, with its numbers and the fixes that exist."""
+def refusal(plan: MemoryPlan, config: Config, serves_adapter: bool) -> str:
+    """Why the run cannot fit, with its numbers and the fixes that exist (``serves_adapter``: the run serves its
+    LoRA adapter rather than merged weights)."""
     fixes = [
         f"a smaller generation batch (micro_batch_size x gradient_accumulation_steps, now "
         f"{config.micro_batch_size} x {config.gradient_accumulation_steps}; the KV cache scales with it)",
@@ -365,7 +338,7 @@ def refusal(plan: MemoryPlan, config: Config) -> str:
     ]
     if config.adapter is None:
         fixes.insert(0, "'adapter: lora' instead of full fine-tuning (no gradients or optimizer states for the base)")
-    elif not config.serves_adapter:
+    elif not serves_adapter:
         fixes[:0] = [
             f"'trl.vllm_lora_sync: true' (vLLM serves the adapter: no merge, and no merge record, "
             f"{_gib(plan.merge_record)} GiB less)",

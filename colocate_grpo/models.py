@@ -18,6 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from colocate_grpo.config import Config, ConfigError
+from colocate_grpo.plan import RunPlan, Serving
 from colocate_grpo.tasks import arithmetic_dataset
 from colocate_grpo.tiny import TINY_MODEL_NAME, tiny_model_path
 
@@ -165,26 +166,25 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
                 )
 
 
-def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
-    """The base model on ``device``, with a fresh LoRA adapter when ``adapter: lora``.
+def load_model(config: Config, plan: RunPlan, path: str) -> PreTrainedModel:
+    """The base model on the plan's device in its dtype, with a fresh LoRA adapter when ``adapter: lora``
+    (merge-aware where the plan says).
 
-    A base the engine will share (``config.shares_base_weights``) is left in host memory; the
-    trainer moves the model once its base weights are the engine's. A 4-bit base is not loaded at
-    all: its layers hold nothing until they become views of the engine's NF4 weights
-    (:mod:`colocate_grpo.quantized`).
+    A base the engine will share (``plan.shared_base``) is left in host memory; the trainer moves the
+    model once its base weights are the engine's. A 4-bit base is not loaded at all: its layers hold
+    nothing until they become views of the engine's NF4 weights (:mod:`colocate_grpo.quantized`).
     """
-    dtype = training_dtype(device)
-    if config.load_in_4bit:
+    if plan.serving is Serving.QUANTIZED_BASE:
         from colocate_grpo.quantized import empty_4bit_model
 
-        model = empty_4bit_model(path, dtype, device)
+        model = empty_4bit_model(path, plan.dtype, plan.device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=plan.dtype)
         # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
         # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
-        if not config.shares_base_weights:
-            model.to(device)
-    if config.adapter != "lora":
+        if not plan.shared_base:
+            model.to(plan.device)
+    if not plan.serving.lora:
         return model
     from peft import LoraConfig, get_peft_model
 
@@ -197,22 +197,11 @@ def load_model(config: Config, path: str, device: str) -> PreTrainedModel:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    mode = merge_aware_mode(config, dtype)
-    if mode:
+    if plan.merge_aware:
         from colocate_grpo.lora import install_merge_aware
 
-        install_merge_aware(model, mode)
+        install_merge_aware(model, plan.merge_aware)
     return model
-
-
-def merge_aware_mode(config: Config, dtype: torch.dtype) -> str | None:
-    """``lora_merge_aware`` with ``auto`` resolved: the training dtype's name where merge-aware LoRA applies."""
-    if config.lora_merge_aware != "auto":
-        return config.lora_merge_aware
-    # A served adapter (a 4-bit base included) is applied by the engine itself: there is no merge to match.
-    if config.adapter != "lora" or config.peft_use_dora or config.load_in_8bit or config.serves_adapter:
-        return None
-    return "fp16" if dtype == torch.float16 else "bf16"
 
 
 def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int = 2) -> None:

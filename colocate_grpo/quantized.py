@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from colocate_grpo.config import ConfigError
-from colocate_grpo.engine import Engine
+from colocate_grpo.engine import Engine, parameter_views
 from colocate_grpo.sync import frozen_base, hf_name
 
 
@@ -138,7 +138,7 @@ def share_4bit_base(model: torch.nn.Module, engine: Engine) -> int:
         )
         shared += codes.nbytes + state.absmax.nbytes
     rest = {name: param for name, param in frozen_base(model).items() if not isinstance(param, Params4bit)}
-    views = engine.parameter_views({name: tuple(param.shape) for name, param in rest.items()})
+    views = parameter_views(engine.model, {name: tuple(param.shape) for name, param in rest.items()})
     if views is None:
         raise ConfigError(
             "'load_in_4bit: true': the engine's embeddings, norms or biases do not line up with this model's, so "

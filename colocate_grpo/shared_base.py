@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from colocate_grpo.engine import Engine, Weights
+from colocate_grpo.engine import Engine, Weights, parameter_views
 from colocate_grpo.quantized import share_4bit_base
 from colocate_grpo.sync import frozen_base, merged_names
 
@@ -30,18 +30,18 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
 
     A 4-bit base is always shared (:func:`colocate_grpo.quantized.share_4bit_base`: the trainer holds
     no other). A bf16 base is not (0 is returned) where the engine's parameters do not map onto the
-    trainer's tensors (``Engine.parameter_views``), where the engine cannot keep its weights while its KV
-    cache sleeps (``Engine.can_sleep_kv_cache_alone``), or where some tensor differs from the
+    trainer's tensors (:func:`~colocate_grpo.engine.parameter_views`), where the engine cannot keep its
+    weights while its KV cache sleeps (``Engine.can_sleep_kv_cache_alone``), or where some tensor differs from the
     engine's, bitwise: then the two sides do not hold the same weights, and sharing would change
     what is trained. The LoRA layers' base weights are written into the engine first, as a sync
     would write them: a reused engine may still hold another run's merged weights there.
     """
-    if engine.quantization is not None:
+    if engine.spec.quantization is not None:
         return share_4bit_base(model, engine)
     if not engine.can_sleep_kv_cache_alone:
         return 0
     base = frozen_base(model)
-    views = engine.parameter_views({name: tuple(param.shape) for name, param in base.items()})
+    views = parameter_views(engine.model, {name: tuple(param.shape) for name, param in base.items()})
     if views is None:
         return 0
     engine.wake_up(["weights"])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from peft.tuners.lora import LoraLayer
 
-from colocate_grpo.engine import Engine, ParameterView, Weights
+from colocate_grpo.engine import Engine, ParameterView, Weights, parameter_views
 from colocate_grpo.lora import FactorsKey, Overwritten, RetainedUpdate, lora_factors, merged_weight, overwrite
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def _in_place_writes(model: torch.nn.Module, engine: Engine, merge: bool) -> _In
     per_model = _writes_of.setdefault(engine.model, weakref.WeakKeyDictionary()).setdefault(model, {})
     if merge not in per_model:
         sources = _sources(model, merge)
-        views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
+        views = parameter_views(engine.model, {s.name: tuple(s.param.shape) for s in sources})
         per_model[merge] = None if views is None else _InPlaceWrites(sources, views)
     return per_model[merge]
 
@@ -386,12 +386,12 @@ def served_weight_mismatches(
     """HF names of the trainer's weights that differ, bitwise, from what the engine holds.
 
     An empty list means the engine serves exactly the trainer's (merged) weights. None when the
-    engine's parameters do not map onto the trainer's tensors (see ``Engine.parameter_views``).
+    engine's parameters do not map onto the trainer's tensors (see :func:`~colocate_grpo.engine.parameter_views`).
     With ``merged``, a base weight merged in place counts with its values before the merge: the
     engine must serve the merge of what :meth:`MergedInPlace.restore` gives the trainer back.
     """
     sources = _sources(model)
-    views = engine.parameter_views({s.name: tuple(s.param.shape) for s in sources})
+    views = parameter_views(engine.model, {s.name: tuple(s.param.shape) for s in sources})
     if views is None:
         return None
     mismatches = []

@@ -13,27 +13,25 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import yaml
 from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
-from colocate_grpo.engine import derived_max_model_len, engine_lora_rank, engine_settings, refuse_unservable_run
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
     MemoryPlan,
     MemoryPlanError,
     model_shape,
     out_of_memory_message,
-    plan_memory,
     refusal,
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
+from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
 from colocate_grpo.sync import save_merged
 
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
@@ -90,7 +88,8 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
         report_to="none",
         # Several ranks: every trainable parameter gets a gradient every step (no extra pass to look for others).
         ddp_find_unused_parameters=False,
-        vllm_max_model_length=config.engine_max_model_len,
+        # The engine's token budget per sequence as the user set it; the plan caps it at the model's context.
+        vllm_max_model_length=config.vllm.max_model_len or config.max_prompt_length + config.max_completion_length,
         **trl_settings,
     )
 
@@ -135,27 +134,23 @@ def is_main_process() -> bool:
 
 @dataclass(frozen=True)
 class RunInputs:
-    """What a run reads before any model loads, each part checked (:func:`check_inputs`).
+    """What a run reads before any model loads, each part checked, and its plan (:func:`check_inputs`).
 
     Attributes:
-        device: ``"cuda"`` or ``"cpu"``; dtype: the training dtype (a ``torch.dtype``).
         rewards: the reward functions; path: the base model's directory; tokenizer, dataset: TRL's.
-        longest_prompt: the dataset's longest prompt in tokens, as TRL sends it (sizes the KV cache).
-        plan: the memory plan on a GPU, else None.
+        args: TRL's GRPOConfig for the run; plan: the run plan (:mod:`colocate_grpo.plan`).
     """
 
-    device: str
-    dtype: Any
     rewards: list
     path: str
     tokenizer: Any
     dataset: Any
-    longest_prompt: int
-    plan: MemoryPlan | None
+    args: Any
+    plan: RunPlan
 
 
 def check_inputs(config: Config) -> RunInputs:
-    """Resolve and check everything a run reads before its model loads, and plan its memory (printed on a GPU).
+    """Resolve and check everything a run reads before its model loads, and plan the run (printed).
 
     Raises:
         ConfigError: on bad input; its MemoryPlanError when the plan cannot fit the device.
@@ -171,8 +166,22 @@ def check_inputs(config: Config) -> RunInputs:
     models.check_rewards_match_dataset(rewards, dataset)
     models.check_rewards_run(rewards, dataset)
     dtype = models.training_dtype(device)
-    plan = plan_device_memory(config, path, device, dtype, longest_prompt)
-    return RunInputs(device, dtype, rewards, path, tokenizer, dataset, longest_prompt, plan)
+    args = grpo_args(config, device, dtype)
+    plan = plan_run(
+        config,
+        args,
+        model_path=path,
+        device=device,
+        dtype=dtype,
+        shape=model_shape(path, args.trust_remote_code),
+        longest_prompt=longest_prompt,
+        memory=read_device_memory() if device == "cuda" else None,
+    )
+    if plan.memory is not None and not plan.memory.fits:
+        raise MemoryPlanError(refusal(plan.memory, config, plan.serving.serves_adapter))
+    if is_main_process():
+        print(plan.summary())
+    return RunInputs(rewards, path, tokenizer, dataset, args, plan)
 
 
 def build_trainer(
@@ -180,8 +189,8 @@ def build_trainer(
 ) -> ColocateGRPOTrainer:
     """A ready :class:`~colocate_grpo.trainer.ColocateGRPOTrainer` for ``config``; nothing written yet.
 
-    The trainer carries ``metrics`` (a :class:`MetricsLog`) and ``run_config``. Its engine is the
-    process's live one when that serves the same base model (see ``shared_engine``).
+    The trainer carries ``metrics`` (a :class:`MetricsLog`), ``run_config`` and ``plan``. Its engine is the
+    process's live one when that was built for the plan's engine (see ``shared_engine``).
     ``trainer.close()`` (or ``with``) shuts the engine down for good.
 
     Raises:
@@ -190,32 +199,27 @@ def build_trainer(
     if not isinstance(config, Config):
         config = load_config(default_config_path() if config is None else config)
     from colocate_grpo import models
+    from colocate_grpo.engine_registry import refuse_unservable_run
 
     inputs = check_inputs(config)
-    refuse_unservable_run(lambda: settings_known_before_loading(config, inputs.path))
-    device, dtype, plan = inputs.device, inputs.dtype, inputs.plan
-    args = grpo_args(config, device, dtype)
-    with device_memory_errors("load the model and start the engine", plan, config):
-        model = models.load_model(config, inputs.path, device)
+    plan = inputs.plan
+    refuse_unservable_run(plan.engine)
+    with device_memory_errors("load the model and start the engine", plan.memory, config):
+        model = models.load_model(config, plan, inputs.path)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 
         metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
         trainer = ColocateGRPOTrainer(
             model=model,
             reward_funcs=inputs.rewards,
-            args=args,
+            args=inputs.args,
+            plan=plan,
             train_dataset=inputs.dataset,
             processing_class=inputs.tokenizer,
             callbacks=[metrics, *(callbacks or [])],
-            vllm_options=config.vllm,
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
-            serve_adapter=config.serves_adapter,
-            sequence_tokens=config.sequence_tokens(inputs.longest_prompt),
-            merge_record_in_host_memory=plan is not None and plan.merge_record_host > 0,
         )
     metrics.context["served_as"] = trainer.served_as
-    if is_main_process():
-        print(f"Served as: {trainer.served_as}.")
     # transformers prints every metric per log (a table in notebooks); show a bar with the reward instead.
     # Only a notebook has transformers' notebook module loaded (it imports IPython, which the CLI may lack).
     notebook_progress = getattr(sys.modules.get("transformers.utils.notebook"), "NotebookProgressCallback", None)
@@ -227,60 +231,7 @@ def build_trainer(
         trainer.add_callback(_RewardProgress())
     trainer.metrics = metrics
     trainer.run_config = config
-    trainer.memory_plan = plan
     return trainer
-
-
-def settings_known_before_loading(config: Config, path: str) -> dict[str, Any]:
-    """The engine's settings (named as :func:`~colocate_grpo.engine.engine_settings` names them) that ``config``
-    and the model's config file fix before the model at ``path`` loads: all but the dtype, which the trainer
-    reads off the loaded weights."""
-    from transformers import AutoConfig
-
-    max_model_len = config.vllm.max_model_len
-    if max_model_len is None:
-        try:
-            context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-            max_model_len = derived_max_model_len(config.engine_max_model_len, context)
-        except (OSError, ValueError, KeyError):  # an architecture only vLLM knows: the trainer's check decides
-            pass
-    settings = engine_settings(
-        path,
-        replace(config.vllm, max_model_len=max_model_len),
-        dtype=config.vllm.dtype,
-        max_lora_rank=engine_lora_rank(config.lora_r) if config.serves_adapter else None,
-        fp32_head=bool(config.trl.get("cast_lm_head_to_fp32")),
-        quantization="bitsandbytes" if config.load_in_4bit else None,
-    )
-    unknown = {"dtype"} | ({"vllm.max_model_len"} if max_model_len is None else set())
-    return {key: value for key, value in settings.items() if key not in unknown}
-
-
-def plan_device_memory(
-    config: Config, path: str, device: str, dtype: Any, longest_prompt: int | None = None
-) -> MemoryPlan | None:
-    """The run's memory plan on the GPU, printed in one line; None on CPU or for a model it cannot read.
-
-    ``longest_prompt`` is the dataset's longest prompt in tokens (None: max_prompt_length).
-
-    Raises:
-        MemoryPlanError: when the weights, optimizer states, KV cache and engine alone exceed the free memory.
-    """
-    import torch
-
-    if device != "cuda":
-        return None
-    shape = model_shape(path, dtype)
-    if shape is None:
-        return None
-    free, total = torch.cuda.mem_get_info()
-    host_free = psutil.virtual_memory().available
-    plan = plan_memory(config, shape, dtype, free, total, longest_prompt, host_free=host_free)
-    if not plan.fits:
-        raise MemoryPlanError(refusal(plan, config))
-    if is_main_process():
-        print(plan.summary())
-    return plan
 
 
 @contextlib.contextmanager
@@ -327,6 +278,7 @@ def train(
         if checkpoint is None:
             metrics.path.unlink(missing_ok=True)  # a fresh run; a resumed one appends
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        (output_dir / "plan.yaml").write_text(yaml.safe_dump(trainer.plan.to_dict(), sort_keys=False))
     if plots:
         trainer.add_callback(PngWriter(metrics.history, output_dir / "dashboard.png"))
     if live is not None:
@@ -334,7 +286,7 @@ def train(
         trainer.add_callback(live)
     clock = trainer.vllm_generation.clock
     try:
-        with device_memory_errors(lambda: clock.failed_phase or "train", trainer.memory_plan, config):
+        with device_memory_errors(lambda: clock.failed_phase or "train", trainer.plan.memory, config):
             trainer.train(resume_from_checkpoint=checkpoint)
         trainer.save_model(str(output_dir))
         if config.save_merged and is_main_process():
@@ -356,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check",
         action="store_true",
-        help="check the config, the dataset's prompts and the rewards (and, on a GPU, print the memory plan); exit",
+        help="check the config, the dataset's prompts and the rewards, print the run plan (with its memory on a GPU)",
     )
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -12,7 +12,6 @@ place for each generation and restores them bitwise before the trainer computes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -21,17 +20,16 @@ from typing import Any
 
 import trl.trainer.grpo_trainer as grpo_module
 from accelerate.utils import gather_object
-from peft.tuners.lora import LoraLayer
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.engine import Engine, Weights, derived_max_model_len, engine_lora_rank, shared_engine
+from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.head import add_fp32_head
-from colocate_grpo.lora import MergeAwareLoraLinear, RetainedUpdate
-from colocate_grpo.memory_plan import MIN_NUM_SEQS
+from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
+from colocate_grpo.plan import RunPlan, Serving, plan_for_model
 from colocate_grpo.quantized import served_code_mismatches
 from colocate_grpo.shared_base import share_base_weights
 from colocate_grpo.sync import MergedInPlace, merge_into_shared_base, push_weights, served_weight_mismatches
@@ -138,13 +136,13 @@ class ColocatedGeneration(VLLMGeneration):
         self,
         *args: Any,
         engine_factory: Callable[[VLLMGeneration], Engine],
-        serve_adapter: bool,
+        serving: Serving,
         shared_base_bytes: int = 0,
         merge_record_in_host_memory: bool = False,
         **kwargs: Any,
     ) -> None:
         self._engine_factory = engine_factory
-        self.serve_adapter = serve_adapter
+        self.serving = serving
         self.shared_base_bytes = shared_base_bytes  # the trainer's base weights given up for the engine's
         # Base weights merged for the engine, until restored.
         self.merged_in_place = MergedInPlace(in_host_memory=merge_record_in_host_memory)
@@ -171,7 +169,7 @@ class ColocatedGeneration(VLLMGeneration):
     @property
     def merges_in_place(self) -> bool:
         """Whether a sync merges the LoRA layers into the shared base weights (restored after generating)."""
-        return self.shares_base and not self.serve_adapter
+        return self.shares_base and self.serving.merges
 
     @property
     def engine(self) -> Engine:
@@ -193,7 +191,7 @@ class ColocatedGeneration(VLLMGeneration):
             if self.merges_in_place:
                 self.merged_in_place.restore()  # a sync without a generation since the last one
                 merge_into_shared_base(self.model, self.llm, self.merged_in_place, stats)
-            elif self.serve_adapter:
+            elif self.serving.serves_adapter:
                 # The base weights go only where the engine lost them (a level-2 sleep), with its LoRA buffers.
                 # Pinned ones (shared with the trainer, or 4-bit) are never lost, and written by nobody, ever.
                 base_lost = self.llm.state.weights is not Weights.RESIDENT and not self.llm.weights_pinned
@@ -207,11 +205,11 @@ class ColocatedGeneration(VLLMGeneration):
             self.llm.wake_up(["kv_cache"])
         if check is None:
             return
-        if self.serve_adapter:
+        if self.serving.serves_adapter:
             check.report_adapter(served_adapter_mismatches(self.model, self.llm))
-            if self.llm.quantization is not None:
+            if self.serving is Serving.QUANTIZED_BASE:
                 check.report_codes(served_code_mismatches(self.model, self.llm))
-        elif not hasattr(self.model, "peft_config"):  # full fine-tuning: the trained weights are served as they are
+        elif self.serving is Serving.FULL_WEIGHTS:  # the trained weights are served as they are
             check.report_weights(served_weight_mismatches(self.model, self.llm))
         else:
             merged = self.merged_in_place
@@ -235,11 +233,6 @@ class ColocatedGeneration(VLLMGeneration):
                 self.merged_in_place.restore()
 
 
-def _largest_lora_rank(model: Any) -> int:
-    """The largest LoRA rank of a PEFT model's adapters (rank_pattern included)."""
-    return max(max([config.r, *config.rank_pattern.values()]) for config in model.peft_config.values())
-
-
 @contextlib.contextmanager
 def _generation_class(factory: Callable[..., VLLMGeneration]) -> Iterator[None]:
     """GRPOTrainer builds ``VLLMGeneration`` by module-global name; point it at ours while it does."""
@@ -257,20 +250,21 @@ class ColocateGRPOTrainer(GRPOTrainer):
     Takes GRPOTrainer's arguments, plus:
 
     Args:
+        plan: the run plan (:mod:`colocate_grpo.plan`), made before the model loaded (``build_trainer`` does).
+            None: planned here from the model and ``args`` (:func:`~colocate_grpo.plan.plan_for_model`), with
+            ``vllm_options``, ``serve_adapter`` and ``sequence_tokens``, which a given plan already holds.
         vllm_options: the ``vllm:`` block (engine dtype, memory fraction, sleep level, ...). An unset
             ``max_model_len`` becomes TRL's ``vllm_max_model_length`` (at most the model's context), so
             that the KV cache is sized to the batch rather than to the model's whole context.
-        engine: an engine to use. When None, the process's live engine is reused if it serves the
-            same base model and ``vllm:`` block, else a new one is created.
-        merge_check_interval: optimizer steps between retained-update checks (0: never); see
-            :class:`MergeCheck`. With ``serve_adapter``, between checks that the engine holds the
-            trainer's LoRA factors bitwise.
         serve_adapter: serve the LoRA adapter with vLLM's LoRA kernels (:mod:`colocate_grpo.adapters`)
             instead of merged weights. Needs a PEFT LoRA model without merge-aware layers.
         sequence_tokens: the tokens a generated sequence takes at most (the dataset's longest prompt plus
             ``max_completion_length``), which sizes the KV cache; None sizes it for ``max_model_len``.
-        merge_record_in_host_memory: with merged serving on a shared base, keep the record that restores
-            the base (a byte per merged weight) in host memory (:class:`~colocate_grpo.sync.MergedInPlace`).
+        engine: an engine to use. When None, the process's live engine is reused if it was built for the
+            plan's engine, else a new one is created.
+        merge_check_interval: optimizer steps between retained-update checks (0: never); see
+            :class:`MergeCheck`. With adapter serving, between checks that the engine holds the
+            trainer's LoRA factors bitwise.
 
     A PEFT model's frozen base weights become the engine's (:mod:`colocate_grpo.shared_base`) where
     their layouts line up: the device holds one copy, and the engine's KV cache sleeps alone.
@@ -288,73 +282,50 @@ class ColocateGRPOTrainer(GRPOTrainer):
         reward_funcs: Any,
         args: GRPOConfig,
         *,
+        plan: RunPlan | None = None,
         vllm_options: VLLMConfig | None = None,
-        engine: Engine | None = None,
-        merge_check_interval: int = 50,
         serve_adapter: bool = False,
         sequence_tokens: int | None = None,
-        merge_record_in_host_memory: bool = False,
+        engine: Engine | None = None,
+        merge_check_interval: int = 50,
         **kwargs: Any,
     ) -> None:
-        options = vllm_options or VLLMConfig()
-        if args.vllm_tensor_parallel_size != 1:
-            raise ValueError(
-                "vllm_tensor_parallel_size must be 1: each rank has its own colocated engine on its own GPU (data "
-                "parallel). For generation on separate GPUs, use TRL's server mode."
+        if plan is None:
+            plan = plan_for_model(
+                model, args, vllm_options=vllm_options, serve_adapter=serve_adapter, sequence_tokens=sequence_tokens
             )
-        merge_aware = any(isinstance(m, MergeAwareLoraLinear) for m in model.modules())
-        if serve_adapter and (merge_aware or not hasattr(model, "peft_config")):
+        elif vllm_options is not None or serve_adapter or sequence_tokens is not None:
             raise ValueError(
-                "serve_adapter needs a PEFT LoRA model with ordinary LoRA layers: merge-aware LoRA trains the merged "
-                "weights, which only a merged sync serves."
+                "Pass either a plan or vllm_options, serve_adapter and sequence_tokens: the plan has them."
             )
-        if any(isinstance(m, LoraLayer) and any(m.use_dora.values()) for m in model.modules()):
-            raise ValueError(
-                "DoRA adapters cannot be served in colocate mode yet: vLLM has no DoRA kernels, and the merged sync "
-                "writes W + s*B@A without DoRA's magnitude. Use plain LoRA."
-            )
-        lora_rank = _largest_lora_rank(model) if serve_adapter else None
+        self.plan = plan
         # TRL's cast makes the head an fp32 copy (with PEFT it fails on tied heads); its fused head alone, added
         # below, computes in fp32 from the weights as they are.
         fp32_head, args.cast_lm_head_to_fp32 = args.cast_lm_head_to_fp32, False
 
-        def build_engine(model: Any) -> Engine:
-            if engine is not None and not engine.closed:
-                return engine
-            dtype = model.get_input_embeddings().weight.dtype
-            context = getattr(model.config, "max_position_embeddings", None)
-            derived = derived_max_model_len(args.vllm_max_model_length, context)
-            # TRL's generation batch, as GRPOTrainer gives it to VLLMGeneration.
-            batch = args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation
-            return shared_engine(
-                model_path=model.name_or_path,
-                options=dataclasses.replace(options, max_model_len=options.max_model_len or derived),
-                dtype=str(dtype).removeprefix("torch."),
-                max_num_seqs=max(MIN_NUM_SEQS, batch),
-                # Each rank samples its own completions: with one seed, groups split over ranks would repeat.
-                seed=args.seed + args.process_index,
-                trust_remote_code=args.trust_remote_code,
-                max_lora_rank=None if lora_rank is None else engine_lora_rank(lora_rank),
-                fp32_head=fp32_head,
-                sequence_tokens=sequence_tokens,
-                # vLLM quantizes the checkpoint; the trainer's 4-bit layers become views of its codes (quantized.py).
-                quantization="bitsandbytes" if getattr(model, "is_loaded_in_4bit", False) else None,
-            )
+        def build_engine() -> Engine:
+            return engine if engine is not None and not engine.closed else shared_engine(plan.engine)
 
         shared_base_bytes = 0
-        if hasattr(model, "peft_config"):
+        if plan.shared_base:
             # Before TRL moves the model to the device: a base still in host memory (load_model leaves a LoRA
             # model's there) becomes the engine's copy, and the device never holds two.
-            engine = build_engine(model)
+            engine = build_engine()
             # A merged sync writes into the shared weights: only where the engine computes with them.
-            if serve_adapter or engine.writes_in_place:
+            if plan.serving.serves_adapter or engine.writes_in_place:
                 shared_base_bytes = share_base_weights(model, engine)
+            if not shared_base_bytes:
+                logger.warning(
+                    "The plan shares the base weights with the engine, but their layouts do not line up: the device "
+                    "holds two copies of the base (%s).",
+                    plan.serving.describe(shared_base=False),
+                )
         generation = functools.partial(
             ColocatedGeneration,
-            engine_factory=lambda generation: build_engine(generation.model),
-            serve_adapter=serve_adapter,
+            engine_factory=lambda _: build_engine(),
+            serving=plan.serving,
             shared_base_bytes=shared_base_bytes,
-            merge_record_in_host_memory=merge_record_in_host_memory,
+            merge_record_in_host_memory=plan.merge_record_in_host_memory,
         )
         try:
             with _generation_class(generation):
@@ -373,30 +344,17 @@ class ColocateGRPOTrainer(GRPOTrainer):
         if not shared_base_bytes:  # a reused engine may have been pinned for a trainer that shared its weights
             self.engine.unpin_weights()
         self.vllm_generation.merge_check = MergeCheck(
-            merge_check_interval, merge_aware, step=lambda: self.state.global_step, log=self._record_metrics
+            merge_check_interval,
+            plan.serving is Serving.MERGE_AWARE,
+            step=lambda: self.state.global_step,
+            log=self._record_metrics,
         )
         self.add_callback(PhaseMetrics(self.vllm_generation.clock, record=self._record_metrics))
 
     @property
     def served_as(self) -> str:
-        """How the engine serves the trained policy, in words: merged bf16, merge-aware, or adapter."""
-        head = "; logits in fp32 on both sides" if self.engine.fp32_head else ""
-        return self._served_weights + head
-
-    @property
-    def _served_weights(self) -> str:
-        if self.engine.quantization is not None:
-            return "4-bit base + adapter (vLLM's NF4 base, one copy shared with the trainer, and its LoRA kernels)"
-        shared = self.vllm_generation.shares_base
-        if self.vllm_generation.serve_adapter:
-            one_copy = ", one copy shared with the trainer" if shared else ""
-            return f"adapter (vLLM's LoRA kernels on the base weights{one_copy})"
-        one_copy = "; one copy of the base, shared with the trainer and merged in place" if shared else ""
-        if self.vllm_generation.merge_check.merge_aware:
-            return f"merge-aware (merged weights, bitwise what is trained{one_copy})"
-        if hasattr(self.model, "peft_config"):
-            return f"merged (LoRA merged into the weights, rounded to their dtype{one_copy})"
-        return "weights (full fine-tuning)"
+        """How the engine serves the trained policy, in words (the plan's serving, with the base shared or not)."""
+        return self.plan.serving.describe(self.vllm_generation.shares_base, self.plan.engine.fp32_head)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.accelerator.num_processes > 1:

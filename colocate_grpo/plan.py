@@ -1,0 +1,603 @@
+"""The run plan: every setting a run derives, decided once, before the model loads.
+
+What the user wrote (:class:`~colocate_grpo.config.Config`) and what TRL's ``GRPOConfig``
+makes of it become one frozen :class:`RunPlan`: how the policy is served, the engine's
+identity and size, the dtype, the memory. It is printed at start and written beside the
+config; the model loader, the trainer, the engine and the memory check read it and derive
+nothing themselves.
+
+Two constructors give the same plan for the same run: :func:`plan_run` from the YAML config
+and what the run read (its device, the dataset's longest prompt, the model's shape, read
+once), and :func:`plan_for_model` from a model and a ``GRPOConfig``, for direct use of the
+trainer as the benchmarks and tests do. Both end in :func:`_derive`, the one place where the
+engine's batch, ``max_model_len``, KV cache and memory fraction are worked out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import fnmatch
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from colocate_grpo.config import Config, VLLMConfig
+from colocate_grpo.memory_plan import (
+    GIB,
+    LORA_ITEMSIZE,
+    MemoryPlan,
+    ModelShape,
+    engine_bytes,
+    kv_cache_bytes,
+    lora_parameters,
+    model_shape,
+    plan_memory,
+    shape_of,
+    training_activation_bytes,
+    training_bytes,
+    weight_bytes,
+)
+
+# The engine's batch (max_num_seqs) is TRL's generation batch and at least this. vLLM 0.26 crashed in its warm-up
+# on the H200 with 16 (an illegal memory access) and ran with 64. Its own default there, 1024, costs memory that
+# sleep mode does not free (CUDA graphs for batches up to 512).
+MIN_NUM_SEQS = 64
+# The adapter ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# gpu_memory_utilization where the plan cannot size the engine (a model whose config transformers cannot read).
+FALLBACK_FRACTION = 0.3
+
+
+class Serving(enum.Enum):
+    """How the engine serves the trained policy."""
+
+    MERGE_AWARE = "merge-aware"  # LoRA trained on its cast merge: the served weights are bitwise the trained ones
+    MERGED = "merged"  # PEFT's LoRA merged into the weights, rounded to their dtype
+    ADAPTER = "adapter"  # vLLM's LoRA kernels apply the adapter on the base weights
+    QUANTIZED_BASE = "4-bit base + adapter"  # the same on vLLM's NF4 base
+    FULL_WEIGHTS = "weights"  # full fine-tuning: the trained weights themselves
+
+    @property
+    def lora(self) -> bool:
+        return self is not Serving.FULL_WEIGHTS
+
+    @property
+    def serves_adapter(self) -> bool:
+        """Whether vLLM applies the adapter itself, on a base that never changes."""
+        return self in (Serving.ADAPTER, Serving.QUANTIZED_BASE)
+
+    @property
+    def merges(self) -> bool:
+        """Whether each sync merges the LoRA update into the served weights."""
+        return self in (Serving.MERGE_AWARE, Serving.MERGED)
+
+    def describe(self, shared_base: bool, fp32_head: bool = False) -> str:
+        """How the engine serves the policy, in words (the run's ``Served as:`` line)."""
+        if self is Serving.QUANTIZED_BASE:
+            text = "4-bit base + adapter (vLLM's NF4 base, one copy shared with the trainer, and its LoRA kernels)"
+        elif self is Serving.ADAPTER:
+            text = (
+                f"adapter (vLLM's LoRA kernels on the base weights{', one copy shared with the trainer' * shared_base})"
+            )
+        elif self is Serving.FULL_WEIGHTS:
+            text = "weights (full fine-tuning)"
+        else:
+            one_copy = "; one copy of the base, shared with the trainer and merged in place" * shared_base
+            what = (
+                "merged weights, bitwise what is trained"
+                if self is Serving.MERGE_AWARE
+                else ("LoRA merged into the weights, rounded to their dtype")
+            )
+            text = f"{self.value} ({what}{one_copy})"
+        return text + "; logits in fp32 on both sides" * fp32_head
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine a run needs: its identity (what it computes) and its capacity (how much at once).
+
+    Attributes:
+        model_path: the base model's directory or hub id.
+        options: the ``vllm:`` block, ``max_model_len`` resolved (the run's token budget, at most the model's context).
+        dtype: the torch dtype name the engine computes in.
+        max_lora_rank: the rank of its one adapter slot (a rank vLLM serves); None serves the weights alone.
+        fp32_head: compute the logits in fp32 from the head's weights (``trl.cast_lm_head_to_fp32``).
+        quantization: ``"bitsandbytes"`` quantizes the checkpoint to NF4 as it loads (a 4-bit base), else None.
+        trust_remote_code: passed to vLLM's model loader.
+        max_num_seqs: sequences generated at once: TRL's generation batch, at least ``MIN_NUM_SEQS``.
+        sequence_tokens: tokens one sequence takes at most (the longest prompt + the completion), for the KV cache.
+        memory_fraction: vLLM's ``gpu_memory_utilization``.
+        kv_cache_bytes: vLLM's ``kv_cache_memory_bytes``; None lets vLLM size the cache from the fraction.
+        seed: the sampling seed.
+    """
+
+    model_path: str
+    options: VLLMConfig
+    dtype: str
+    max_lora_rank: int | None
+    fp32_head: bool
+    quantization: str | None
+    trust_remote_code: bool
+    max_num_seqs: int
+    sequence_tokens: int | None
+    memory_fraction: float
+    kv_cache_bytes: int | None
+    seed: int
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What the engine computes, named as a user sets it: two engines of one identity serve the same runs."""
+        return {
+            "base_model": self.model_path,
+            **{f"vllm.{f.name}": getattr(self.options, f.name) for f in fields(self.options)},
+            "dtype": self.dtype,
+            "LoRA rank": self.max_lora_rank,
+            "trl.cast_lm_head_to_fp32": self.fp32_head,
+            "quantization": self.quantization,
+        }
+
+    def differences(self, wanted: EngineSpec) -> str:
+        """Each setting of this engine's identity that ``wanted`` differs in, as ``key built (this run: wanted)``."""
+        built = self.identity
+        return "; ".join(
+            f"{key} {built.get(key)!r} (this run: {value!r})"
+            for key, value in wanted.identity.items()
+            if built.get(key) != value
+        )
+
+    def batch_shortfall(self, wanted: EngineSpec) -> str | None:
+        """What keeps an engine built for this spec from generating ``wanted``'s batch in one pass, in words."""
+        shortfalls = []
+        if wanted.max_num_seqs > self.max_num_seqs:
+            shortfalls.append(f"{wanted.max_num_seqs} sequences at once where it generates {self.max_num_seqs}")
+        cache_sized = self.options.kv_cache == "batch" and wanted.sequence_tokens and self.sequence_tokens
+        if cache_sized and wanted.sequence_tokens > self.sequence_tokens:
+            shortfalls.append(
+                f"sequences of {wanted.sequence_tokens} tokens where its KV cache holds {self.sequence_tokens}"
+            )
+        return "; ".join(shortfalls) or None
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device's free and total bytes before the model loads, and the host memory available."""
+
+    free: int
+    total: int
+    host_free: int | None = None
+
+
+def read_device_memory() -> DeviceMemory:
+    """What the CUDA device and the host have free now."""
+    import psutil
+
+    free, total = torch.cuda.mem_get_info()
+    return DeviceMemory(free, total, psutil.virtual_memory().available)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will do, decided before its model loads.
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"``.
+        dtype: the training dtype.
+        serving: how the engine serves the trained policy.
+        shared_base: whether the trainer's frozen base weights are meant to be the engine's (one copy); the
+            trainer records whether the layouts allowed it.
+        merge_aware: the merge-aware LoRA dtype (``"bf16"``, ``"fp16"``), or None for ordinary LoRA.
+        engine: the engine the run needs.
+        memory: the device memory plan on a GPU, else None.
+    """
+
+    device: str
+    dtype: torch.dtype
+    serving: Serving
+    shared_base: bool
+    merge_aware: str | None
+    engine: EngineSpec
+    memory: MemoryPlan | None
+
+    @property
+    def merge_record_in_host_memory(self) -> bool:
+        """Whether merged serving keeps the record that restores the shared base in host memory."""
+        return self.memory is not None and self.memory.merge_record_host > 0
+
+    @property
+    def served_as(self) -> str:
+        return self.serving.describe(self.shared_base, self.engine.fp32_head)
+
+    def summary(self) -> str:
+        """The lines printed at start: how the policy is served, the engine's size and (on a GPU) the memory."""
+        engine = self.engine
+        if engine.kv_cache_bytes is None:
+            cache = f"KV cache sized by vLLM from gpu_memory_utilization={engine.memory_fraction:.2g}"
+        else:
+            cache = f"KV cache {_size(engine.kv_cache_bytes)}"
+        lines = [
+            f"Served as: {self.served_as}.",
+            f"Engine: {engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens at once "
+            f"(max_model_len {engine.options.max_model_len}), {cache}, {engine.dtype} on {self.device}.",
+        ]
+        if self.memory is not None:
+            lines.append(self.memory.summary())
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain values (written to the output folder as plan.yaml)."""
+        return {
+            "device": self.device,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "serving": self.serving.value,
+            "shared_base": self.shared_base,
+            "merge_aware": self.merge_aware,
+            "engine": {
+                **self.engine.identity,
+                **{
+                    name: getattr(self.engine, name)
+                    for name in ("max_num_seqs", "sequence_tokens", "memory_fraction", "kv_cache_bytes", "seed")
+                },
+            },
+            "memory": None if self.memory is None else dataclasses.asdict(self.memory),
+        }
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def derived_max_model_len(budget: int | None, context: int | None) -> int | None:
+    """The engine's ``max_model_len`` where ``vllm.max_model_len`` is unset: the run's prompt + completion
+    ``budget`` (tokens), at most the model's ``context`` (vLLM refuses a longer one); None when neither is known."""
+    return min((n for n in (budget, context) if n), default=None)
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM serves that holds a LoRA of ``rank`` (its buffers are padded to it)."""
+    for supported in VLLM_LORA_RANKS:
+        if supported >= rank:
+            return supported
+    raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got {rank}.")
+
+
+def merge_aware_mode(config: Config, dtype: torch.dtype) -> str | None:
+    """``lora_merge_aware`` with ``auto`` resolved: the training dtype's name where merge-aware LoRA applies."""
+    if config.lora_merge_aware != "auto":
+        return config.lora_merge_aware
+    # A served adapter (a 4-bit base included) is applied by the engine itself: there is no merge to match.
+    if config.adapter != "lora" or config.peft_use_dora or config.load_in_8bit or _adapter_asked(config):
+        return None
+    return "fp16" if dtype == torch.float16 else "bf16"
+
+
+def _adapter_asked(config: Config) -> bool:
+    return bool(config.trl.get("vllm_lora_sync") or config.load_in_4bit)
+
+
+def serving_of(config: Config, dtype: torch.dtype) -> Serving:
+    """How a run of ``config`` in ``dtype`` is served."""
+    if config.adapter != "lora":
+        return Serving.FULL_WEIGHTS
+    if config.load_in_4bit:
+        return Serving.QUANTIZED_BASE
+    if config.trl.get("vllm_lora_sync"):
+        return Serving.ADAPTER
+    return Serving.MERGE_AWARE if merge_aware_mode(config, dtype) else Serving.MERGED
+
+
+@dataclass(frozen=True)
+class _Lora:
+    """A LoRA run's size: its largest rank, its trainable parameters and the base weights it adapts."""
+
+    rank: int
+    parameters: int
+    adapted_weights: int
+
+
+def plan_run(
+    config: Config,
+    args: Any,
+    *,
+    model_path: str,
+    device: str,
+    dtype: torch.dtype,
+    shape: ModelShape | None,
+    longest_prompt: int | None = None,
+    memory: DeviceMemory | None = None,
+) -> RunPlan:
+    """The plan of a run of ``config``, from what it read before loading its model.
+
+    Args:
+        args: the run's ``trl.GRPOConfig`` (made from ``config``): the generation batch, the completion length,
+            the seed and the fp32 head are read from it, as the trainer will.
+        model_path: the base model's directory or hub id; shape: its shape (None: transformers cannot read it).
+        device, dtype: where the run trains and in what dtype.
+        longest_prompt: the dataset's longest prompt in tokens (None: ``max_prompt_length``).
+        memory: the device's memory on a GPU (:func:`read_device_memory`), for the memory plan.
+    """
+    serving = serving_of(config, dtype)
+    lora = None
+    if serving.lora and shape is not None:
+        adapted = [(out, in_) for name, out, in_ in shape.linear_shapes if _adapted(config, name)]
+        lora = _Lora(config.lora_r, lora_parameters(config.lora_r, adapted), sum(out * in_ for out, in_ in adapted))
+    elif serving.lora:
+        lora = _Lora(config.lora_r, 0, 0)
+    prompt = config.max_prompt_length if longest_prompt is None else min(longest_prompt, config.max_prompt_length)
+    return _derive(
+        args,
+        model_path=model_path,
+        options=config.vllm,
+        device=device,
+        dtype=dtype,
+        serving=serving,
+        merge_aware=merge_aware_mode(config, dtype),
+        shape=shape,
+        lora=lora,
+        sequence_tokens=prompt + args.max_completion_length,
+        memory=memory,
+    )
+
+
+def plan_for_model(
+    model: Any,
+    args: Any,
+    *,
+    vllm_options: VLLMConfig | None = None,
+    serve_adapter: bool = False,
+    sequence_tokens: int | None = None,
+) -> RunPlan:
+    """The plan of a run that trains ``model`` (a PEFT LoRA model or a full one) with ``args`` (a GRPOConfig).
+
+    For direct use of :class:`~colocate_grpo.trainer.ColocateGRPOTrainer`. The model's shape is read off its
+    config, the serving off its layers (merge-aware, 4-bit) and ``serve_adapter``.
+
+    Args:
+        vllm_options: the ``vllm:`` block (None: its defaults).
+        serve_adapter: serve the LoRA adapter with vLLM's LoRA kernels instead of merged weights.
+        sequence_tokens: the tokens a generated sequence takes at most (the longest prompt plus
+            ``max_completion_length``); None: ``max_model_len``.
+
+    Raises:
+        ValueError: for a model or settings the colocated engine cannot serve.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    from colocate_grpo.lora import MERGE_DTYPES, MergeAwareLoraLinear
+
+    if args.vllm_tensor_parallel_size != 1:
+        raise ValueError(
+            "vllm_tensor_parallel_size must be 1: each rank has its own colocated engine on its own GPU (data "
+            "parallel). For generation on separate GPUs, use TRL's server mode."
+        )
+    merge_dtype = next((m.merge_dtype for m in model.modules() if isinstance(m, MergeAwareLoraLinear)), None)
+    merge_aware = next((name for name, d in MERGE_DTYPES.items() if d == merge_dtype), None)
+    is_lora = hasattr(model, "peft_config")
+    if serve_adapter and (merge_aware or not is_lora):
+        raise ValueError(
+            "serve_adapter needs a PEFT LoRA model with ordinary LoRA layers: merge-aware LoRA trains the merged "
+            "weights, which only a merged sync serves."
+        )
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if any(any(m.use_dora.values()) for m in layers):
+        raise ValueError(
+            "DoRA adapters cannot be served in colocate mode yet: vLLM has no DoRA kernels, and the merged sync "
+            "writes W + s*B@A without DoRA's magnitude. Use plain LoRA."
+        )
+    if not is_lora:
+        serving = Serving.FULL_WEIGHTS
+    elif getattr(model, "is_loaded_in_4bit", False):
+        serving = Serving.QUANTIZED_BASE
+    elif serve_adapter:
+        serving = Serving.ADAPTER
+    else:
+        serving = Serving.MERGE_AWARE if merge_aware else Serving.MERGED
+    lora = None
+    if is_lora:
+        rank = max(max([c.r, *c.rank_pattern.values()]) for c in model.peft_config.values())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        adapted = sum(m.get_base_layer().out_features * m.get_base_layer().in_features for m in layers)
+        lora = _Lora(rank, trainable, adapted)
+    dtype = model.get_input_embeddings().weight.dtype
+    device = "cpu" if args.use_cpu or not torch.cuda.is_available() else "cuda"
+    return _derive(
+        args,
+        model_path=model.name_or_path,
+        options=vllm_options or VLLMConfig(),
+        device=device,
+        dtype=dtype,
+        serving=serving,
+        merge_aware=merge_aware,
+        shape=shape_of(model.config, args.trust_remote_code),
+        lora=lora,
+        sequence_tokens=sequence_tokens,
+        memory=read_device_memory() if device == "cuda" else None,
+    )
+
+
+def _derive(
+    args: Any,
+    *,
+    model_path: str,
+    options: VLLMConfig,
+    device: str,
+    dtype: torch.dtype,
+    serving: Serving,
+    merge_aware: str | None,
+    shape: ModelShape | None,
+    lora: _Lora | None,
+    sequence_tokens: int | None,
+    memory: DeviceMemory | None,
+) -> RunPlan:
+    """The plan both constructors end in: every derived setting, from explicit inputs."""
+    four_bit = serving is Serving.QUANTIZED_BASE
+    fp32_head = bool(args.cast_lm_head_to_fp32)
+    spec, kv, engine_weights = _size_engine(
+        model_path=model_path,
+        options=options,
+        device=device,
+        dtype=dtype if options.dtype == "auto" else getattr(torch, options.dtype),
+        shape=shape,
+        budget=args.vllm_max_model_length,
+        # TRL's generation batch, as GRPOTrainer gives it to VLLMGeneration (one engine per rank: no tensor parallel).
+        max_num_seqs=max(MIN_NUM_SEQS, args.per_device_train_batch_size * args.steps_per_generation),
+        sequence_tokens=sequence_tokens,
+        max_lora_rank=engine_lora_rank(lora.rank) if serving.serves_adapter and lora else None,
+        fp32_head=fp32_head,
+        four_bit=four_bit,
+        trust_remote_code=bool(args.trust_remote_code),
+        # Each rank samples its own completions: with one seed, groups split over ranks would repeat.
+        seed=args.seed + args.process_index,
+        total=memory.total if memory else None,
+    )
+    sequence_tokens = spec.sequence_tokens
+    memory_plan = None
+    if device == "cuda" and memory is not None and shape is not None and engine_weights is not None:
+        if lora is not None:  # the base is the engine's copy: the trainer adds only its adapter
+            trainer_weights, states = training_bytes(lora.parameters, LORA_ITEMSIZE)
+        else:
+            trainer_weights, states = training_bytes(shape.parameters, dtype.itemsize)
+        memory_plan = plan_memory(
+            trainer_weights=trainer_weights,
+            trainer_states=states,
+            engine_weights=engine_weights,
+            merged_weights=lora.adapted_weights if lora is not None and serving.merges else 0,
+            kv_cache=kv or 0,
+            cuda_graphs=not options.enforce_eager,
+            activations=training_activation_bytes(
+                shape,
+                dtype,
+                args.per_device_train_batch_size,
+                sequence_tokens or 0,
+                args.max_completion_length,
+                bool(args.gradient_checkpointing),
+                fp32_head,
+            ),
+            free=memory.free,
+            total=memory.total,
+            host_free=memory.host_free,
+        )
+    return RunPlan(
+        device=device,
+        dtype=dtype,
+        serving=serving,
+        shared_base=serving.lora,
+        merge_aware=merge_aware,
+        engine=spec,
+        memory=memory_plan,
+    )
+
+
+def standalone_engine(
+    model_path: str,
+    options: VLLMConfig | None = None,
+    *,
+    max_num_seqs: int = MIN_NUM_SEQS,
+    dtype: torch.dtype = torch.bfloat16,
+    max_lora_rank: int | None = None,
+    fp32_head: bool = False,
+    seed: int = 0,
+) -> EngineSpec:
+    """An engine for generating from ``model_path`` outside a training run (tests, benchmarks), sized as a run's
+    engine is: ``max_num_seqs`` sequences of ``max_model_len`` tokens (``vllm.max_model_len``, else the model's
+    context), on this process's device."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = options or VLLMConfig()
+    spec, _, _ = _size_engine(
+        model_path=model_path,
+        options=options,
+        device=device,
+        dtype=dtype if options.dtype == "auto" else getattr(torch, options.dtype),
+        shape=model_shape(model_path),
+        budget=None,
+        max_num_seqs=max_num_seqs,
+        sequence_tokens=None,
+        max_lora_rank=max_lora_rank,
+        fp32_head=fp32_head,
+        four_bit=False,
+        trust_remote_code=False,
+        seed=seed,
+        total=torch.cuda.mem_get_info()[1] if device == "cuda" else None,
+    )
+    return spec
+
+
+def _size_engine(
+    *,
+    model_path: str,
+    options: VLLMConfig,
+    device: str,
+    dtype: torch.dtype,
+    shape: ModelShape | None,
+    budget: int | None,
+    max_num_seqs: int,
+    sequence_tokens: int | None,
+    max_lora_rank: int | None,
+    fp32_head: bool,
+    four_bit: bool,
+    trust_remote_code: bool,
+    seed: int,
+    total: int | None,
+) -> tuple[EngineSpec, int | None, int | None]:
+    """The engine's spec, the KV cache its batch needs and its weights' bytes (None: unknown).
+
+    ``dtype`` is the engine's; ``budget`` the run's prompt + completion tokens, where ``vllm.max_model_len`` is
+    unset; ``total`` the device's bytes (None on CPU).
+    """
+    max_model_len = options.max_model_len or derived_max_model_len(budget, shape.context if shape else None)
+    if max_model_len:
+        sequence_tokens = min(max_model_len, sequence_tokens or max_model_len)
+    kv_per_token = shape.kv_bytes_per_token(dtype) if shape is not None else None
+    kv = None
+    if kv_per_token and sequence_tokens:
+        kv = kv_cache_bytes(kv_per_token, max_num_seqs, sequence_tokens, max_model_len or 0)
+    weights = weight_bytes(shape, dtype, four_bit) if shape is not None else None
+    fraction, engine_kv = _engine_memory(options, device, weights, kv, total)
+    spec = EngineSpec(
+        model_path=model_path,
+        options=dataclasses.replace(options, max_model_len=max_model_len),
+        dtype=str(dtype).removeprefix("torch."),
+        max_lora_rank=max_lora_rank,
+        fp32_head=fp32_head,
+        quantization="bitsandbytes" if four_bit else None,
+        trust_remote_code=trust_remote_code,
+        max_num_seqs=max_num_seqs,
+        sequence_tokens=sequence_tokens,
+        memory_fraction=fraction,
+        kv_cache_bytes=engine_kv,
+        seed=seed,
+    )
+    return spec, kv, weights
+
+
+def _engine_memory(
+    options: VLLMConfig, device: str, weights: int | None, kv_cache: int | None, total: int | None
+) -> tuple[float, int | None]:
+    """vLLM's ``gpu_memory_utilization`` and KV cache bytes for the engine (None: vLLM sizes the cache).
+
+    ``weights`` and ``kv_cache`` are the engine's bytes (None: unknown); ``total`` the device's bytes.
+    """
+    fraction = options.gpu_memory_utilization
+    needed = kv_cache if options.kv_cache == "batch" else None
+    if device != "cuda":
+        # vLLM on CPU sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes negative once a
+        # long-lived process (a notebook, a test session) has loaded models; given a size, it ignores the fraction.
+        largest = int(options.cpu_kv_cache_gib * GIB)
+        return (FALLBACK_FRACTION if fraction == "auto" else fraction), min(needed or largest, largest)
+    if needed is None or weights is None or total is None:
+        return (FALLBACK_FRACTION if fraction == "auto" else fraction), None
+    engine = engine_bytes(weights, needed, cuda_graphs=not options.enforce_eager)
+    if fraction == "auto":
+        return engine / total, needed
+    if engine > fraction * total:  # the batch's cache does not fit the fraction: vLLM sizes it from the fraction
+        return fraction, None
+    return fraction, needed
+
+
+def _adapted(config: Config, name: str) -> bool:
+    """Whether ``config``'s LoRA adapts the linear layer ``name``."""
+    if config.lora_target_modules is None:
+        return config.lora_target_linear
+    leaf = name.rpartition(".")[2]
+    return any(leaf == target or fnmatch.fnmatch(name, target) for target in config.lora_target_modules)
