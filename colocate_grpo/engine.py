@@ -65,13 +65,10 @@ class Engine:
             self.llm = LLM(**_llm_arguments(spec, self.sleep_mode, self.ranks))
         self._state = EngineState(Weights.RESIDENT, kv_cache_awake=True)
         self.weights_pinned = False  # see pin_weights
-        # Whether the KV cache can sleep while the weights stay: always without sleep mode (CPU), where sleeping frees
-        # nothing; on GPUs where vLLM's pool is laid out as 0.26's (release_kv_cache). Looked up once.
-        self.can_sleep_kv_cache_alone = not self.sleep_mode or vllm_shims.kv_cache_release_reachable(self.llm)
-        # Whether tensors written into parameter_views(engine.model) are what the engine computes with: false only
-        # where vLLM packed its CPU linear weights all the same (see plain_cpu_linears); its reload repacks them.
-        self.writes_in_place = vllm_shims.weights_are_plain(self.model)
-        if not self.writes_in_place:
+        # Looked up once, not at every sleep or sync (see the properties).
+        self._kv_cache_releasable = not self.sleep_mode or vllm_shims.kv_cache_release_reachable(self.llm)
+        self._plain_weights = vllm_shims.weights_are_plain(self.model)
+        if not self._plain_weights:
             logger.warning(
                 "vLLM packed this engine's linear weights into a CPU kernel's layout: weights go through vLLM's "
                 "reload_weights, and whether the engine serves the trained weights cannot be checked bitwise."
@@ -96,11 +93,9 @@ class Engine:
         return self.llm
 
     def sleep(self, level: int | None = None) -> None:
-        """Free the engine's device memory: level 1 keeps a CPU copy of the weights, level 2 keeps nothing.
-
-        ``level`` defaults to ``vllm.sleep_level``. Sleeping twice is a no-op. Pinned weights
-        (:meth:`pin_weights`) stay: only the KV cache sleeps.
-        """
+        """Free the engine's device memory: level 1 keeps a CPU copy of the weights, level 2 keeps nothing (default:
+        ``vllm.sleep_level``). Sleeping twice is a no-op. Pinned weights (:meth:`pin_weights`) stay: only the KV
+        cache sleeps."""
         llm = self._require_open()
         level = self.spec.options.sleep_level if level is None else level
         if level not in (1, 2):
@@ -119,6 +114,18 @@ class Engine:
             with vllm_shims.without_vllms_cleanup(), hidden:
                 llm.sleep(level=level)
         self._state = EngineState(Weights.OFFLOADED if level == 1 else Weights.DISCARDED, kv_cache_awake=False)
+
+    @property
+    def can_sleep_kv_cache_alone(self) -> bool:
+        """Whether the KV cache can sleep while the weights stay: always without sleep mode (CPU), where sleeping
+        frees nothing; on GPUs where vLLM's pool is laid out as 0.26's (``release_kv_cache``)."""
+        return self._kv_cache_releasable
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether tensors written into ``parameter_views(engine.model)`` are what the engine computes with: false
+        only where vLLM packed its CPU linear weights all the same (``plain_cpu_linears``)."""
+        return self._plain_weights
 
     def sleep_kv_cache(self) -> None:
         """Release the KV cache's device memory, keep the weights (``wake_up(["kv_cache"])`` maps it back).
@@ -201,8 +208,7 @@ class Engine:
         self.reset_prefix_cache()
 
     def pool_bytes(self) -> dict[str, int]:
-        """Device bytes that vLLM's sleep-mode pool holds now, by tag (``weights``, ``kv_cache``); a sleeping tag
-        holds none. Empty without sleep mode (CPU) or where this vLLM keeps its pool differently."""
+        """Device bytes in vLLM's sleep-mode pool now, by tag (``weights``, ``kv_cache``); empty without sleep mode."""
         if not self.sleep_mode or self.llm is None:
             return {}
         awake = {"weights": self._state.weights_mapped, "kv_cache": self._state.kv_cache_awake}

@@ -11,8 +11,9 @@ from transformers import TrainerCallback
 import colocate_grpo.adapters as adapters
 from colocate_grpo.adapters import served_adapter_mismatches
 from colocate_grpo.config import load_config
-from colocate_grpo.engine import Engine, EngineStateError, Weights, engine_lora_rank, live_engine
+from colocate_grpo.engine import Engine, EngineStateError, Weights, live_engine
 from colocate_grpo.lora import MergeAwareLoraLinear
+from colocate_grpo.plan import engine_lora_rank
 from colocate_grpo.train import build_trainer, default_config_path, train
 
 # Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from colocate_grpo.config import ConfigError, describe, load_config, packaged_configs
-from colocate_grpo.models import merge_aware_mode
+from colocate_grpo.plan import merge_aware_mode
 from colocate_grpo.train import default_config_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_defaults_are_a_colocated_sleeping_engine():
     assert config.trl_settings["vllm_enable_sleep_mode"] is True
     assert config.vllm.gpu_memory_utilization == "auto"
     assert config.vllm.enforce_eager is False  # CUDA graphs: stock TRL builds its engine with them
-    assert config.vllm.max_model_len is None and config.engine_max_model_len == 512 + 256
+    assert config.vllm.max_model_len is None  # the plan derives it: prompt + completion, at most the context
 
 
 @pytest.mark.parametrize(

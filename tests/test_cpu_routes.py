@@ -9,6 +9,7 @@ from conftest import CPU_GEMM_ROUTES, force_cpu_gemm_route
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import shared_engine
 from colocate_grpo.lora import RetainedUpdate
+from colocate_grpo.plan import standalone_engine
 from colocate_grpo.tiny import tiny_model_path
 from colocate_grpo.trainer import MergeCheck
 
@@ -30,7 +31,7 @@ def test_each_forced_route_is_the_one_vllm_takes(monkeypatch, route):
 
 @cpu_only
 def test_the_engine_keeps_plain_weights_on_every_route(cpu_gemm_route):
-    engine = shared_engine(str(tiny_model_path()), VLLMConfig(enforce_eager=True), max_num_seqs=64)
+    engine = shared_engine(standalone_engine(str(tiny_model_path()), VLLMConfig(enforce_eager=True)))
     try:
         qkv = engine.model.model.layers[0].self_attn.qkv_proj
         assert engine.writes_in_place

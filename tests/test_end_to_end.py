@@ -15,7 +15,7 @@ from colocate_grpo.dashboard import summary
 from colocate_grpo.engine import EngineStateError, live_engine
 from colocate_grpo.memory_plan import kv_cache_bytes
 from colocate_grpo.sync import save_merged, served_weight_mismatches
-from colocate_grpo.train import build_trainer, check_inputs, default_config_path, settings_known_before_loading, train
+from colocate_grpo.train import build_trainer, check_inputs, default_config_path, train
 
 # Every test runs on an engine built under each of vLLM's CPU linear routes (conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_gemm_route")
@@ -206,9 +206,8 @@ def test_a_run_the_live_engine_cannot_serve_is_refused_before_its_model_loads(tm
         config = load_config({**config.to_dict(), "vllm": vllm})
     trainer = build_trainer(config)
     try:
-        known = settings_known_before_loading(config, check_inputs(config).path)
-        assert known.items() <= trainer.engine.settings.items()
-        monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
+        assert check_inputs(config).plan.engine.identity == trainer.engine.spec.identity
+        monkeypatch.setattr("colocate_grpo.engine_registry.on_cpu", lambda: False)
         raw = config.to_dict()
         raw["vllm"]["enforce_eager"] = False
         raw["trl"]["max_completion_length"] += 4  # a longer engine budget, unless max_model_len is set
@@ -226,7 +225,7 @@ def test_a_run_the_live_engine_cannot_serve_is_refused_before_its_model_loads(tm
 def test_a_run_with_a_larger_generation_batch_gets_an_engine_sized_for_it_on_cpu(tmp_path):
     first = build_trainer(tiny_config(tmp_path / "a", max_steps=1))
     second = build_trainer(tiny_config(tmp_path / "b", max_steps=1, micro_batch_size=128))
-    assert first.engine.closed and second.engine.max_num_seqs == 128
+    assert first.engine.closed and second.engine.spec.max_num_seqs == 128
     second.engine.sleep()
 
 

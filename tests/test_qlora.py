@@ -74,7 +74,7 @@ def test_qlora_serves_the_trainers_codes_and_adapter_at_every_step(tmp_path, arc
     lora = {"lora_target_linear": False, "lora_target_modules": targets} if targets else {}
     trainer = build_trainer(qlora_config(tmp_path, model_of(architecture, tmp_path / "model"), **lora))
     assert trainer.served_as.startswith("4-bit base + adapter")
-    assert trainer.engine.quantization == "bitsandbytes" and trainer.engine.weights_pinned
+    assert trainer.engine.spec.quantization == "bitsandbytes" and trainer.engine.weights_pinned
     assert shares_base_weights(trainer.model, trainer.engine)
     assert not any(p.is_meta for p in trainer.model.parameters())
     trainer.train()

@@ -147,8 +147,11 @@ def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_res
 def record_in_host_memory(monkeypatch):
     """A memory plan that keeps merged serving's record in host memory, as on a GPU short of a byte a merged weight."""
     nothing = dict.fromkeys((field.name for field in dataclasses.fields(MemoryPlan)), 0)
-    plan = MemoryPlan(**{**nothing, "merge_record_host": 1, "free": GIB, "total": GIB})
-    monkeypatch.setattr(train_module, "plan_device_memory", lambda *args, **kwargs: plan)
+    memory = MemoryPlan(**{**nothing, "merge_record_host": 1, "free": GIB, "total": GIB})
+    plan_run = train_module.plan_run
+    monkeypatch.setattr(
+        train_module, "plan_run", lambda *args, **kwargs: dataclasses.replace(plan_run(*args, **kwargs), memory=memory)
+    )
 
 
 @pytest.mark.parametrize("interrupted", [False, True])

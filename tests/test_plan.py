@@ -1,0 +1,127 @@
+"""The run plan: one derivation of every setting, whether the run starts from a YAML config or a model."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from colocate_grpo import models
+from colocate_grpo.config import load_config
+from colocate_grpo.memory_plan import GIB, ModelShape, engine_bytes, kv_cache_bytes, model_shape
+from colocate_grpo.plan import (
+    MIN_NUM_SEQS,
+    DeviceMemory,
+    Serving,
+    merge_aware_mode,
+    plan_for_model,
+    plan_run,
+    serving_of,
+)
+from colocate_grpo.tiny import tiny_model_path
+from colocate_grpo.train import check_inputs, grpo_args
+
+TINY = {"max_steps": 2, "num_prompts": 16}
+
+
+@pytest.mark.parametrize(
+    ("raw", "serving"),
+    [
+        ({}, Serving.MERGE_AWARE),
+        ({"lora_merge_aware": None}, Serving.MERGED),
+        ({"trl": {"vllm_lora_sync": True}}, Serving.ADAPTER),
+        ({"load_in_4bit": True}, Serving.QUANTIZED_BASE),
+        ({"adapter": None}, Serving.FULL_WEIGHTS),
+    ],
+)
+def test_each_way_of_serving_is_picked_where_expected(raw, serving):
+    config = load_config(raw)
+    assert serving_of(config, torch.bfloat16) is serving
+    expected_mode = "bf16" if serving is Serving.MERGE_AWARE else None
+    assert merge_aware_mode(config, torch.bfloat16) == expected_mode
+    if serving is Serving.MERGE_AWARE:  # GPUs without bf16 (the T4) merge in fp16
+        assert merge_aware_mode(config, torch.float16) == "fp16"
+
+
+@pytest.mark.parametrize(
+    ("raw", "serving"),
+    [
+        ({}, Serving.MERGE_AWARE),
+        ({"lora_merge_aware": None}, Serving.MERGED),
+        ({"trl": {"vllm_lora_sync": True}}, Serving.ADAPTER),
+        ({"adapter": None}, Serving.FULL_WEIGHTS),
+    ],
+)
+def test_the_yaml_and_the_direct_constructors_give_equal_plans(raw, serving):
+    config = load_config({**TINY, **raw})
+    inputs = check_inputs(config)
+    assert inputs.plan.serving is serving
+    model = models.load_model(config, inputs.plan, inputs.path)
+    longest = models.check_prompt_lengths(inputs.dataset, inputs.tokenizer, config.max_prompt_length)
+    direct = plan_for_model(
+        model,
+        inputs.args,
+        vllm_options=config.vllm,
+        serve_adapter=serving is Serving.ADAPTER,
+        sequence_tokens=longest + inputs.args.max_completion_length,
+    )
+    assert direct == inputs.plan
+
+
+def test_steps_per_generation_sizes_the_engine_batch_and_the_kv_cache_together():
+    shape = ModelShape(
+        parameters=1_000_000,
+        linear_shapes=[("model.layers.0.mlp.up_proj", 256, 128)],
+        layers=2,
+        hidden_size=128,
+        intermediate_size=256,
+        vocab_size=1000,
+        kv_values_per_token=2 * 2 * 2 * 64,
+    )
+
+    def plan(raw):
+        config = load_config({"micro_batch_size": 32, **raw})
+        args = grpo_args(config, "cpu", torch.bfloat16)
+        memory = DeviceMemory(80 * GIB, 80 * GIB)
+        return plan_run(config, args, model_path="-", device="cuda", dtype=torch.bfloat16, shape=shape, memory=memory)
+
+    once = plan({})
+    four = plan({"trl": {"steps_per_generation": 4}})
+    assert once.engine.max_num_seqs == MIN_NUM_SEQS and four.engine.max_num_seqs == 4 * 32
+    tokens = 512 + 256
+    for run in (once, four):
+        needed = kv_cache_bytes(2 * 2 * 2 * 64 * 2, run.engine.max_num_seqs, tokens, tokens)
+        assert run.engine.kv_cache_bytes == run.memory.kv_cache == needed
+    assert four.memory.kv_cache == 2 * once.memory.kv_cache  # 128 sequences where 64 were
+
+
+def test_a_checkpoint_stored_in_fp32_is_planned_at_the_engines_bf16_size(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    config = load_config({**TINY, "base_model": str(tmp_path)})
+    args = grpo_args(config, "cpu", torch.bfloat16)
+    shape = model_shape(str(tmp_path))
+    total = 80 * GIB
+    plan = plan_run(
+        config,
+        args,
+        model_path=str(tmp_path),
+        device="cuda",
+        dtype=torch.bfloat16,
+        shape=shape,
+        memory=DeviceMemory(total, total),
+    )
+    files = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert plan.memory.engine_weights == shape.parameters * 2 < files  # bf16 as served, not fp32 as stored
+    # The engine's memory fraction counts the same weights: one answer for both.
+    engine = engine_bytes(plan.memory.engine_weights, plan.engine.kv_cache_bytes, cuda_graphs=True)
+    assert plan.engine.memory_fraction == pytest.approx(engine / total)
+
+
+def test_the_plan_is_printed_and_written_as_plain_values():
+    plan = check_inputs(load_config(TINY)).plan
+    summary = plan.summary()
+    assert summary.startswith("Served as: merge-aware") and f"{plan.engine.max_num_seqs} sequences" in summary
+    written = plan.to_dict()
+    assert written["serving"] == "merge-aware" and written["engine"]["max_num_seqs"] == plan.engine.max_num_seqs
+    assert dataclasses.is_dataclass(plan) and plan.memory is None  # no memory plan on a CPU
