@@ -1,10 +1,12 @@
-"""The benchmarks still run: every script imports, and those with a CPU check pass it (bench/README.md).
+"""The benchmark harness still runs: every script imports, every experiment's CPU check passes, and the results
+tables in the README and the docs are what the result JSONs give (bench/README.md).
 
-The benchmarks mostly run on a GPU, which is scarce: a change to the library that breaks one should fail
-here, before a GPU's time is spent on it. Each runs in its own process, from a temporary directory, as a
-user runs it (``python bench/<script>.py``).
+The benchmarks mostly run on a GPU, which is scarce: a change to the library that breaks one should fail here,
+before a GPU's time is spent on it. Each check runs as a user runs it (``python bench/run.py --check NAME``),
+in its own process, writing into a temporary directory.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -14,39 +16,78 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 SCRIPTS = sorted(path.stem for path in BENCH.glob("*.py"))
+sys.path.insert(0, str(BENCH))
 
-# The CPU checks that the scripts' docstrings name, cut to few steps, kinds and batches.
-CPU_CHECKS = {
-    "sync_vs_trl": ["--shapes", "tiny", "--kinds", "ours-ma", "user-adapter", "--steps", "2", "--together"]
-    + ["--repeat-syncs", "1", "--models", ".", "--out", "out.json"],
-    "memory_frontier": ["--plan-only", "--micro-batch", "8"],
-    "mismatch_sources": ["--shapes", "tiny", "--models", ".", "--out", "out.json"],
-    "lora_generate_variants": ["--shape", "tiny", "--variants", "lora", "--batches", "1", "--models", "."]
-    + ["--out", "out.json"],
-    "data_parallel": ["--shape", "tiny", "--ranks", "1", "--steps", "3", "--models", ".", "--out", "out.json"],
-    "merge_in_place": ["--shape", "tiny-ish"],
+from experiments import EXPERIMENTS  # noqa: E402  (bench/ is not a package)
+
+CHECKED = sorted(name for name, experiment in EXPERIMENTS.items() if experiment.check is not None)
+SLOW = {name for name in CHECKED if EXPERIMENTS[name].slow_check}
+# Keys every result has, whatever its runner (bench/README.md, "The result schema").
+SCHEMA_KEYS = {
+    "schema",
+    "experiment",
+    "kind",
+    "shape",
+    "machine",
+    "commit",
+    "date",
+    "command",
+    "config",
+    "steps",
+    "summary",
+    "memory",
+    "mismatch",
+    "served_equals_trained",
+    "metrics",
+    "failed",
 }
 
 
-def run_script(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def run_bench(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRL_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
     )
 
 
-def test_every_benchmark_imports(tmp_path):
+def test_at_most_eight_scripts():
+    assert len(SCRIPTS) <= 8, SCRIPTS
+
+
+def test_every_script_imports(tmp_path):
     imports = (
         "import importlib, sys; sys.path.insert(0, sys.argv[1]); [importlib.import_module(m) for m in sys.argv[2:]]"
     )
-    done = run_script(["-c", imports, str(BENCH), *SCRIPTS], tmp_path)
+    done = run_bench(["-c", imports, str(BENCH), *SCRIPTS], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(CPU_CHECKS))
-def test_benchmark_passes_its_cpu_check(script, tmp_path):
-    done = run_script([str(BENCH / f"{script}.py"), *CPU_CHECKS[script]], tmp_path)
+def test_the_list_names_every_experiment(tmp_path):
+    done = run_bench([str(BENCH / "run.py"), "--list"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(name in done.stdout for name in EXPERIMENTS)
+
+
+def test_the_rendered_tables_are_up_to_date(tmp_path):
+    done = run_bench([str(BENCH / "render.py"), "--check"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in CHECKED]
+)
+def test_experiment_passes_its_cpu_check(name, tmp_path):
+    out = tmp_path / "results"
+    done = run_bench([str(BENCH / "run.py"), "--check", name, "--out-dir", str(out)], tmp_path)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    if "out.json" in CPU_CHECKS[script]:
-        assert (tmp_path / "out.json").stat().st_size > 0
+    results = [json.loads(path.read_text()) for path in out.glob("*.json")]
+    if EXPERIMENTS[name].runner == "frontier":  # its check prints the memory plan's table and runs nothing
+        assert "smallest card the plan fits" in done.stdout
+        return
+    assert results, done.stdout[-3000:]
+    for result in results:
+        assert result.keys() >= SCHEMA_KEYS
+        assert result["failed"] is None and result["config"]["check"]
+        if result["kind"] is not None:
+            assert result["steps"] and result["summary"]["step_s"] > 0
+            assert result["served_equals_trained"] is not False

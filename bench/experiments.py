@@ -1,0 +1,167 @@
+"""The named experiments of the harness: each a small config that ``run.py`` runs.
+
+An experiment has a runner (``training``: each kind's training run, one process each; ``frontier``: the
+smallest simulated card each kind runs on; ``kernel``: a microbenchmark in one process), the shapes and kinds
+it covers, and its settings. ``check`` holds what its CPU check changes (the tiny shape, few steps), or None
+where the experiment needs a GPU; ``slow_check`` marks a check the test suite runs only with its slow tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from workload import COMPLETION_TOKENS, GENERATION_BATCH
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One named experiment.
+
+    ``steps``: optimizer steps a training run takes; ``micro_batch``: sequences per forward and backward (of the
+    64 a step generates); ``card_gib``: a simulated card's GiB (None: the whole device); ``cards``: the simulated
+    cards a frontier searches, in GiB; ``ranks``: the GPU counts of a data-parallel experiment (one run each);
+    ``together``: run the kinds side by side on the device (for what does not depend on time, such as the
+    mismatch over a long run); ``train_seconds``: stop each run after the step that passes that many seconds.
+    """
+
+    name: str
+    runner: str
+    description: str
+    shapes: tuple[str, ...] = ("1.5B",)
+    kinds: tuple[str, ...] = ("stock", "user")
+    steps: int = 6
+    micro_batch: int = GENERATION_BATCH
+    completion_tokens: int = COMPLETION_TOKENS
+    card_gib: float | None = None
+    cards: tuple[float, ...] = ()
+    ranks: tuple[int, ...] = (1,)
+    together: bool = False
+    learning_rate: float | None = None
+    train_seconds: float | None = None
+    check: dict[str, Any] | None = field(default=None, compare=False)
+    slow_check: bool = True
+
+    def checked(self) -> Experiment:
+        """This experiment as its CPU check runs it."""
+        if self.check is None:
+            raise ValueError(f"{self.name} has no CPU check: it needs a GPU")
+        return replace(self, **self.check)
+
+
+TINY = {"shapes": ("tiny",), "steps": 2}
+
+EXPERIMENTS = {
+    e.name: e
+    for e in [
+        Experiment(
+            "step-vs-trl",
+            "training",
+            "The user's plain config against stock TRL at 1.5B, one after the other: step, phases, memory, mismatch",
+            check={**TINY, "kinds": ("user",)},
+        ),
+        Experiment(
+            "step-vs-trl-7B",
+            "training",
+            "The same at 7B with micro-batch 8 (stock TRL's activations at micro-batch 64 do not fit beside it)",
+            shapes=("7B",),
+            micro_batch=8,
+        ),
+        Experiment(
+            "serving-ways",
+            "training",
+            "Each way of serving the policy a user picks by one key, and colocate_grpo on stock's PEFT model",
+            kinds=("user", "user-merged", "user-adapter", "user-4bit", "ours", "ours-ma", "ours-adapter"),
+            check={**TINY, "kinds": ("ours-ma", "user-adapter")},
+        ),
+        Experiment(
+            "fp32-head",
+            "training",
+            "The fp32 head on both sides against the bf16 head, on a 1.5B with sharp (trained-like) logits",
+            shapes=("1.5B-sharp",),
+            kinds=("user", "user-fp32-head"),
+            steps=4,
+        ),
+        Experiment(
+            "stock-4bit",
+            "training",
+            "Stock TRL on an NF4 base against the user's load_in_4bit: true",
+            kinds=("stock-4bit", "user-4bit"),
+        ),
+        Experiment(
+            "mismatch-long",
+            "training",
+            "The logprob mismatch over 200 training steps, four kinds side by side on the device (not for times)",
+            kinds=("stock", "user", "user-merged", "user-adapter"),
+            steps=200,
+            completion_tokens=64,
+            together=True,
+            check={**TINY, "kinds": ("user", "user-adapter")},
+        ),
+        Experiment(
+            "memory-growth",
+            "training",
+            "Host and device memory after every step of 200 steps of the user's config on the tiny model",
+            shapes=("tiny",),
+            kinds=("user",),
+            steps=200,
+            check={"steps": 3},
+        ),
+        Experiment(
+            "data-parallel",
+            "training",
+            "The user's config on 1, 2 and 4 GPUs of one host (torchrun, one engine per GPU): samples a second",
+            kinds=("user",),
+            steps=8,
+            ranks=(1, 2, 4),
+            check={**TINY, "steps": 3, "ranks": (1,)},
+        ),
+        Experiment(
+            "memory-frontier",
+            "frontier",
+            "The smallest simulated card each way of serving runs on, 1.5B to 14B, micro-batch 8; stock TRL's too",
+            shapes=("1.5B", "3B", "7B", "14B"),
+            kinds=("user", "user-merged", "user-adapter", "user-4bit", "stock"),
+            steps=3,
+            micro_batch=8,
+            cards=(12, 16, 24, 40, 80),
+            # The CPU check prints the memory plan's side of the search: no training.
+            check={"kinds": ("user", "user-merged", "user-adapter", "user-4bit")},
+            slow_check=False,
+        ),
+        Experiment(
+            "lora-speed",
+            "kernel",
+            "Forward + backward of merge-aware LoRA against PEFT's LoRA: layers, a 1.5B-shaped model; the fused merge",
+            shapes=("1.5B", "7B"),
+            kinds=(),
+            check={"shapes": ("tiny",)},
+            slow_check=False,
+        ),
+        Experiment(
+            "merge-in-place",
+            "kernel",
+            "Merging a LoRA into the shared base in place with its restore record, and the bitwise restore",
+            shapes=("7B",),
+            kinds=(),
+            check={"shapes": ("tiny",)},
+            slow_check=False,
+        ),
+        Experiment(
+            "sync-kernels",
+            "kernel",
+            "The sync's kernels in a CUDA graph: the fused merge, the frozen tensors' copy, the adapter's write",
+            shapes=("1.5B", "7B"),
+            kinds=(),
+        ),
+        Experiment(
+            "fp32-head-speed",
+            "kernel",
+            "TRL's fused head forward + backward: bf16, IEEE fp32, fp32 on TF32 cores (ours); logprob error",
+            shapes=("1.5B", "7B"),
+            kinds=(),
+            check={"shapes": ("tiny",)},
+            slow_check=False,
+        ),
+    ]
+}

@@ -1,0 +1,372 @@
+"""Kernel microbenchmarks: what colocate_grpo ships against the plain way, on random tensors of a shape.
+
+Each experiment (``run(name, shape)``) returns ``{"device": ..., "rows": [...]}``, one row per measurement, times
+in seconds (CUDA events on a GPU, the wall clock on a CPU; kernel times, from the profiler, on a GPU only).
+The shape ``tiny`` stands for a few small layers, for the CPU checks.
+
+- ``lora-speed``: forward + backward of merge-aware LoRA against PEFT's LoRA (the same factors), per layer and
+  and (at 1.5B and tiny) for a whole random-weight model of the shape, bf16 autocast, r=16; the merged weight's fused
+  kernel against plain PyTorch.
+- ``merge-in-place``: merging a LoRA into a shape's base weights in place with the record that restores them
+  (``colocate_grpo.sync.MergedInPlace``), the restore, the record's bytes and outliers, whether the restore is
+  bitwise; on a GPU once more with the record in page-locked host memory.
+- ``sync-kernels`` (CUDA): the sync's writes captured in a CUDA graph, as the sync replays them: the fused merge
+  over every LoRA linear against one copy of the same bytes; the frozen tensors' copy by
+  ``kernels.copy_by_kernel`` against ``copy_``; the adapter's factors by ``kernels.ScaledCopies`` against
+  ``_foreach_copy_``.
+- ``fp32-head-speed``: TRL's fused head forward + backward in bf16, in IEEE fp32 (TRL's
+  ``cast_lm_head_to_fp32``) and in fp32 on TF32 cores (``colocate_grpo.head``), each one's largest
+  log-probability difference from IEEE fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from workload import QWEN25, linear_shapes
+
+RANK = 16
+SCALING = 2.0
+TINY_LAYERS = [(256, 128), (128, 256)] * 4
+TINY_MODEL = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def seconds(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of ``fn()``: CUDA events around each call on a GPU, the wall clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device() == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return statistics.median(times)
+
+
+def kernel_seconds(fn: Callable[[], object], iters: int = 3) -> float | None:
+    """Seconds of CUDA kernel time per ``fn()`` (the profiler's), without the host's launch gaps; None on a CPU."""
+    if device() != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in profile.key_averages()) / 1e6 / iters
+
+
+def layers_of(shape: str) -> list[tuple[int, int]]:
+    """(out, in) of the LoRA linears of ``shape``: every linear but the head, or a few small ones (``tiny``)."""
+    return TINY_LAYERS if shape == "tiny" else linear_shapes(shape)
+
+
+def lora_speed(shape: str) -> list[dict[str, Any]]:
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from colocate_grpo import lora
+
+    def with_lora(module: torch.nn.Module, targets: str | list[str]) -> torch.nn.Module:
+        model = get_peft_model(module, LoraConfig(r=RANK, lora_alpha=RANK * SCALING, target_modules=targets))
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=1e-3)
+        return model
+
+    def merge_aware(model: torch.nn.Module, on: bool) -> None:
+        """The same LoRA layers (the same weights) under either forward."""
+        if on:
+            lora.install_merge_aware(model)
+            return
+        for layer in model.modules():
+            if isinstance(layer, lora.MergeAwareLoraLinear):
+                layer.__class__ = LoraLinear
+
+    def forward_backward(model: torch.nn.Module, inputs: torch.Tensor) -> Callable[[], None]:
+        def step() -> None:
+            with torch.autocast(device(), dtype=torch.bfloat16):
+                out = model(inputs)
+                out = out.logits if hasattr(out, "logits") else out
+            out.float().mean().backward()
+
+        return step
+
+    def compare(what: str, model: torch.nn.Module, inputs: torch.Tensor, tokens: int) -> dict[str, Any]:
+        row: dict[str, Any] = {"what": what, "tokens": tokens}
+        for name, on in (("peft", False), ("merge_aware", True)):
+            merge_aware(model, on)
+            if device() == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            row[f"{name}_s"] = seconds(forward_backward(model, inputs), iters=5)
+            row[f"{name}_kernel_s"] = kernel_seconds(forward_backward(model, inputs))
+            row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else None
+        row["ratio"] = row["merge_aware_s"] / row["peft_s"]
+        return row
+
+    rows = []
+    tokens_list = [128] if shape == "tiny" else [1024, 4096]
+    layers = TINY_LAYERS[:2] if shape == "tiny" else [linear_shapes(shape)[i] for i in (0, 4, 6)]  # q, gate, down
+    for out_features, in_features in layers:
+        linear = torch.nn.Sequential()
+        linear.add_module("proj", torch.nn.Linear(in_features, out_features, bias=False))
+        model = with_lora(linear.to(device(), torch.bfloat16), ["proj"])
+        for tokens in tokens_list:
+            x = torch.randn(tokens, in_features, device=device(), dtype=torch.bfloat16, requires_grad=True)
+            rows.append(compare(f"layer {out_features}x{in_features}", model, x, tokens))
+        weight = torch.randn(out_features, in_features, device=device(), dtype=torch.bfloat16)
+        a = torch.randn(RANK, in_features, device=device()) * 1e-2
+        b = torch.randn(out_features, RANK, device=device()) * 1e-2
+        merge = functools.partial(lora.merged_weight, weight, a, b, SCALING, torch.bfloat16)
+        lora.FUSED_MERGE = False
+        plain = seconds(merge, iters=20)
+        reference = merge()
+        lora.FUSED_MERGE = True
+        rows.append(
+            {
+                "what": f"merged weight {out_features}x{in_features}",
+                "plain_s": plain,
+                "fused_s": seconds(merge, iters=20),
+                "entries_differing": (merge() != reference).float().mean().item(),
+            }
+        )
+    if shape not in ("tiny", "1.5B"):
+        return rows
+    torch.manual_seed(0)
+    dims = TINY_MODEL | {"vocab_size": 1000} if shape == "tiny" else QWEN25["1.5B"]
+    base = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=8192)).to(device(), torch.bfloat16)
+    model = with_lora(base, "all-linear")
+    for tokens in tokens_list:
+        ids = torch.randint(0, dims["vocab_size"], (1, tokens), device=device())
+        rows.append(compare("model " + ("tiny" if shape == "tiny" else "1.5B-shaped"), model, ids, tokens))
+    return rows
+
+
+def merge_in_place(shape: str) -> list[dict[str, Any]]:
+    from colocate_grpo.lora import merged_weight
+    from colocate_grpo.sync import MergedInPlace
+
+    torch.manual_seed(0)
+    layers = [
+        (
+            (torch.randn(out, in_, device=device()) * 0.02).to(torch.bfloat16),
+            torch.randn(RANK, in_, device=device()) * 1e-2,
+            torch.randn(out, RANK, device=device()) * 1e-4,  # an RL-sized update
+        )
+        for out, in_ in layers_of(shape)
+    ]
+    before = [weight.cpu() for weight, _, _ in layers]  # in host memory: a second copy may not fit the device
+    weights = sum(weight.numel() for weight, _, _ in layers)
+
+    def synchronize() -> None:
+        if device() == "cuda":
+            torch.cuda.synchronize()
+
+    rows = []
+    for in_host_memory in (False, True) if device() == "cuda" else (False,):
+        in_place = MergedInPlace(in_host_memory=in_host_memory)
+        in_place.reserve([weight for weight, _, _ in layers])
+        for repeat in range(3):  # the first includes the merge kernel's compilation
+            synchronize()
+            start = time.perf_counter()
+            for weight, a, b in layers:
+                in_place.add(weight, merged_weight(weight, a, b, SCALING))
+            synchronize()
+            merged = time.perf_counter()
+            records = in_place.records.values()
+            size, outliers = sum(r.nbytes for r in records), sum(r.outlier_count for r in records)
+            in_place.restore()
+            synchronize()
+            rows.append(
+                {
+                    "what": f"repeat {repeat}" + (", record in host memory" if in_host_memory else ""),
+                    "weights": weights,
+                    "merge_and_record_s": merged - start,
+                    "restore_s": time.perf_counter() - merged,
+                    "record_on_device_bytes_per_weight": size / weights,
+                    "outlier_fraction": outliers / weights,
+                    "restored_bitwise": all(
+                        torch.equal(b.view(torch.int16), w.cpu().view(torch.int16))
+                        for b, (w, _, _) in zip(before, layers, strict=True)
+                    ),
+                }
+            )
+    return rows
+
+
+def graph_seconds(write: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of one replay of ``write`` captured as a CUDA graph (compiled before the capture)."""
+    write()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write()
+    return seconds(graph.replay, warmup=2, iters=repeats)
+
+
+def merge_rows(shape: str) -> list[dict[str, Any]]:
+    """The fused merge of every LoRA linear against one copy of the same bytes (the bandwidth floor)."""
+    from colocate_grpo.kernels import fused_merged_weight
+
+    # Every LoRA linear its own W, A, B and output, so that nothing is served from L2 between layers.
+    layers = [
+        (
+            (torch.randn(out, in_, device="cuda") * 0.02).bfloat16(),
+            torch.randn(RANK, in_, device="cuda") / in_**0.5,
+            torch.randn(out, RANK, device="cuda") * 1e-3,
+            torch.empty(out, in_, dtype=torch.bfloat16, device="cuda"),
+        )
+        for out, in_ in layers_of(shape)
+    ]
+    nbytes = sum(2 * w.nbytes for w, _, _, _ in layers)
+    floor_source = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    floor_target = torch.empty_like(floor_source)
+
+    def merge() -> None:
+        for w, a, b, out in layers:
+            fused_merged_weight(w, a, b, SCALING, torch.bfloat16, out=out)
+
+    def copy() -> None:
+        floor_target.copy_(floor_source)
+
+    rows = []
+    for what, write in (("fused merge of every LoRA linear (in use)", merge), ("one copy of the same bytes", copy)):
+        s = graph_seconds(write)
+        rows.append({"what": what, "bytes": nbytes, "s": s, "gb_per_s": nbytes / s / 1e9})
+    return rows
+
+
+def frozen_copy_rows(shape: str) -> list[dict[str, Any]]:
+    """The embeddings' and the head's copy (the frozen tensors' large ones) by the Triton kernel and by copy_."""
+    from colocate_grpo.kernels import copy_by_kernel
+
+    dims = QWEN25[shape]
+    sources = [torch.randn(dims["vocab_size"], dims["hidden_size"], device="cuda").bfloat16() for _ in range(2)]
+    targets = [torch.empty_like(s) for s in sources]
+    nbytes = sum(2 * s.nbytes for s in sources)
+
+    def by_kernel() -> None:
+        for target, source in zip(targets, sources, strict=True):
+            copy_by_kernel(target, source)
+
+    def by_copy() -> None:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+
+    rows = []
+    for what, write in (("embeddings and head by kernels.copy_by_kernel (in use)", by_kernel), ("copy_", by_copy)):
+        s = graph_seconds(write)
+        rows.append({"what": what, "bytes": nbytes, "s": s, "gb_per_s": nbytes / s / 1e9})
+    return rows
+
+
+def adapter_write_rows(shape: str) -> list[dict[str, Any]]:
+    """The adapter's factors into vLLM's LoRA buffers: one ScaledCopies launch against _foreach_copy_."""
+    from colocate_grpo.kernels import ScaledCopies
+
+    factors_a = [torch.randn(RANK, in_, device="cuda") / in_**0.5 for _, in_ in layers_of(shape)]
+    factors_b = [torch.randn(out, RANK, device="cuda") * 1e-3 for out, _ in layers_of(shape)]
+    # vLLM's LoRA buffers: one slot's (rank, in) and (out, rank) slices, bf16.
+    slots_a = [torch.zeros(RANK, in_, dtype=torch.bfloat16, device="cuda") for _, in_ in layers_of(shape)]
+    slots_b = [torch.zeros(out, RANK, dtype=torch.bfloat16, device="cuda") for out, _ in layers_of(shape)]
+    scales = [1.0] * len(factors_a) + [SCALING] * len(factors_b)
+    one_launch = ScaledCopies([*slots_a, *slots_b], [*factors_a, *factors_b], scales)
+
+    def foreach() -> None:
+        torch._foreach_copy_(slots_a, factors_a)
+        torch._foreach_copy_(slots_b, torch._foreach_mul(factors_b, SCALING))
+
+    ways = {"adapter by kernels.ScaledCopies, one launch (in use)": one_launch, "adapter by _foreach_copy_": foreach}
+    return [{"what": what, "tensors": len(scales), "s": graph_seconds(write)} for what, write in ways.items()]
+
+
+def sync_kernels(shape: str) -> list[dict[str, Any]]:
+    if device() != "cuda":
+        raise RuntimeError("sync-kernels times Triton kernels in CUDA graphs: it needs a CUDA device")
+    torch.manual_seed(0)
+    rows = []
+    for part in (merge_rows, frozen_copy_rows, adapter_write_rows):
+        rows += part(shape)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp32_head_speed(shape: str) -> list[dict[str, Any]]:
+    from trl.kernels import ChunkedLogProbFunction
+
+    from colocate_grpo.head import TF32ChunkedLogProb
+
+    chunk = 32768  # TRL's vocabulary tile (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+
+    def forward_backward(
+        function: type, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = hidden.detach().requires_grad_()
+        log_probs, *_ = function.apply(hidden, weight, None, targets, 1.0, chunk, None, 1.0, ("entropy",))
+        log_probs.sum().backward()
+        return log_probs.detach().float()
+
+    torch.manual_seed(0)
+    hidden_size, vocab = (64, 1000) if shape == "tiny" else (QWEN25[shape]["hidden_size"], QWEN25[shape]["vocab_size"])
+    weight = (torch.randn(vocab, hidden_size, device=device()) * 0.02).bfloat16()
+    rows = []
+    for tokens in [128] if shape == "tiny" else [2048, 16384]:
+        hidden = torch.randn(tokens, hidden_size, device=device()).bfloat16()
+        targets = torch.randint(0, vocab, (tokens,), device=device())
+        heads = {
+            "bf16 (TRL's default)": (ChunkedLogProbFunction, hidden),
+            "fp32, IEEE (TRL's cast_lm_head_to_fp32)": (ChunkedLogProbFunction, hidden.float()),
+            "fp32 on TF32 cores (ours)": (TF32ChunkedLogProb, hidden.float()),
+        }
+        reference = forward_backward(*heads["fp32, IEEE (TRL's cast_lm_head_to_fp32)"], weight, targets)
+        for what, (function, inputs) in heads.items():
+            rows.append(
+                {
+                    "what": what,
+                    "tokens": tokens,
+                    "s": seconds(functools.partial(forward_backward, function, inputs, weight, targets), 1, 5),
+                    "max_abs_logp_diff_from_ieee_fp32": (
+                        forward_backward(function, inputs, weight, targets) - reference
+                    )
+                    .abs()
+                    .max()
+                    .item(),
+                }
+            )
+    return rows
+
+
+MICROBENCHMARKS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
+    "lora-speed": lora_speed,
+    "merge-in-place": merge_in_place,
+    "sync-kernels": sync_kernels,
+    "fp32-head-speed": fp32_head_speed,
+}
+
+
+def run(experiment: str, shape: str) -> dict[str, Any]:
+    """The microbenchmark ``experiment`` at ``shape``: the device and its rows (printed as they are)."""
+    rows = MICROBENCHMARKS[experiment](shape)
+    for row in rows:
+        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    return {"device": torch.cuda.get_device_name() if device() == "cuda" else "cpu", "rows": rows}

@@ -1,0 +1,440 @@
+"""The trainers a training experiment compares ("kinds"), and one measured run of a kind in this process.
+
+Every kind runs in a process of its own (vLLM allows one sleep-mode engine per process), started by
+``run.py`` as ``python bench/run.py --child SPEC.json`` with the kind's ``env`` added to the environment
+(and under ``torchrun`` for several ranks). A kind is a :class:`Kind` in ``KINDS``: a name, what it is, and
+``build``, which returns the trainer and the engine object whose ``sleep``, ``wake_up`` and ``generate`` the
+run times. A kind that needs another installation (its own packages on ``PYTHONPATH``) says so in ``env``;
+its ``build`` imports them, in its own process.
+
+Kinds:
+
+- ``stock``: TRL's ``GRPOTrainer`` in colocate mode with PEFT LoRA r=16 on all linears (TRL's engine settings:
+  memory fraction 0.3, max model length 512); ``stock-4bit`` the same on the NF4 base a QLoRA user loads.
+- ``user``: colocate_grpo as a user runs it, ``build_trainer`` with the plain config (model, dataset, reward,
+  batch keys, nothing else); ``user-merged``, ``user-adapter``, ``user-4bit``, ``user-fp32-head`` add the one
+  key that serves the policy another way or computes the logits in fp32 (``USER_KEYS``).
+- ``ours``, ``ours-ma``, ``ours-adapter``: ``ColocateGRPOTrainer`` with stock's PEFT model and TRL arguments:
+  ordinary LoRA merged, merge-aware LoRA, and the adapter served by vLLM's LoRA kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from workload import (
+    COMPLETION_TOKENS,
+    GENERATION_BATCH,
+    NUM_GENERATIONS,
+    STEPS_PER_PASS,
+    benchmark_prompts,
+    half_vocabulary_reward,
+    user_config,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig
+
+WARMUP_STEPS = 2  # steps left out of the medians: the first compiles and allocates
+GIB = 2**30
+PHASES = ("sync", "wake", "generate", "sleep")
+ENGINE_STARTED = "bench: engine started"  # printed once the trainer is built (run.py's --together waits for it)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One measured run of one kind, as ``run.py`` hands it to the kind's process.
+
+    ``card_gib``: simulate a card of that many GiB (all but that much of the device taken before the run);
+    ``train_seconds``: stop after the first step that ends past that many seconds of training;
+    ``learning_rate`` None: 1e-5 (the user's config leaves it to the default, also 1e-5).
+    """
+
+    experiment: str
+    kind: str
+    shape: str
+    model_path: str
+    workdir: str
+    steps: int
+    micro_batch: int = GENERATION_BATCH
+    completion_tokens: int = COMPLETION_TOKENS
+    card_gib: float | None = None
+    learning_rate: float | None = None
+    train_seconds: float | None = None
+    ranks: int = 1
+
+    @property
+    def tiny(self) -> bool:
+        return self.shape == "tiny"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A trainer to measure. ``build(spec)`` runs in the kind's own process and returns the trainer and the
+    object holding the engine's ``sleep``, ``wake_up`` and ``generate``; ``env`` is added to that process's
+    environment (a separate installation's ``PYTHONPATH``, say)."""
+
+    name: str
+    description: str
+    build: Callable[[RunSpec], tuple[Any, Any]]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+# The one key a user adds to the plain config for each user-* kind.
+USER_KEYS: dict[str, dict[str, Any]] = {
+    "user": {},
+    "user-merged": {"lora_merge_aware": None},
+    "user-adapter": {"trl": {"vllm_lora_sync": True}},
+    "user-4bit": {"load_in_4bit": True},
+    "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
+}
+
+
+def build_user(spec: RunSpec) -> tuple[Any, Any]:
+    """colocate_grpo through the user's path: ``build_trainer`` with the plain config (and the kind's one key)."""
+    from colocate_grpo.train import build_trainer
+
+    config = user_config(
+        spec.model_path,
+        Path(spec.workdir),
+        spec.steps,
+        spec.micro_batch,
+        spec.completion_tokens,
+        USER_KEYS[spec.kind],
+    )
+    if spec.learning_rate is not None:
+        config["learning_rate"] = spec.learning_rate
+    trainer = build_trainer(config)
+    return trainer, trainer.engine
+
+
+def grpo_args(spec: RunSpec) -> GRPOConfig:
+    """Stock TRL's settings for these runs (the ``ours*`` kinds take them too)."""
+    import torch
+    from trl import GRPOConfig
+
+    cuda = torch.cuda.is_available()
+    # TRL's fraction is of the whole device: on a simulated card, the same fraction of the card.
+    card_share = spec.card_gib * GIB / torch.cuda.mem_get_info()[1] if cuda and spec.card_gib else 1.0
+    return GRPOConfig(
+        output_dir=str(Path(spec.workdir) / "run"),
+        per_device_train_batch_size=spec.micro_batch,
+        gradient_accumulation_steps=GENERATION_BATCH // spec.micro_batch,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=spec.completion_tokens,
+        learning_rate=1e-5 if spec.learning_rate is None else spec.learning_rate,
+        max_steps=spec.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=cuda,
+        use_cpu=not cuda,
+        gradient_checkpointing=cuda,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_enable_sleep_mode=True,
+        vllm_gpu_memory_utilization=(0.1 if spec.tiny else 0.3) * card_share,
+        vllm_max_model_length=32 if spec.tiny else 512,
+        seed=0,
+    )
+
+
+def peft_model(spec: RunSpec) -> torch.nn.Module:
+    """The PEFT LoRA model that stock TRL and the ``ours*`` kinds train (merge-aware for ``ours-ma``); for
+    ``stock-4bit`` on the NF4 base that a QLoRA user loads, as ``load_in_4bit`` does."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if spec.kind == "stock-4bit":
+        from transformers import BitsAndBytesConfig
+
+        quantized = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.model_path, dtype=torch.bfloat16, quantization_config=quantized
+        )
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch.bfloat16).to(device)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    if spec.kind == "ours-ma":
+        from colocate_grpo.lora import install_merge_aware
+
+        install_merge_aware(model, "bf16")
+    return model
+
+
+def trainer_inputs(spec: RunSpec) -> dict[str, Any]:
+    """The keyword arguments stock TRL's trainer and ``ColocateGRPOTrainer`` share."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    return dict(
+        model=peft_model(spec),
+        reward_funcs=[half_vocabulary_reward],
+        args=grpo_args(spec),
+        train_dataset=Dataset.from_dict({"prompt": benchmark_prompts(spec.model_path)}),
+        processing_class=AutoTokenizer.from_pretrained(spec.model_path),
+    )
+
+
+def build_stock(spec: RunSpec) -> tuple[Any, Any]:
+    """TRL's own GRPOTrainer in colocate mode; its engine is TRL's ``vllm.LLM``."""
+    from trl import GRPOTrainer
+
+    trainer = GRPOTrainer(**trainer_inputs(spec))
+    return trainer, trainer.vllm_generation.llm
+
+
+def build_ours(spec: RunSpec) -> tuple[Any, Any]:
+    """``ColocateGRPOTrainer`` on stock's PEFT model and TRL arguments, CUDA graphs on as stock's engine has them."""
+    from colocate_grpo.config import VLLMConfig
+    from colocate_grpo.trainer import ColocateGRPOTrainer
+
+    inputs = trainer_inputs(spec)
+    options = VLLMConfig(
+        gpu_memory_utilization=inputs["args"].vllm_gpu_memory_utilization,
+        max_model_len=inputs["args"].vllm_max_model_length,
+        enforce_eager=False,
+    )
+    trainer = ColocateGRPOTrainer(**inputs, vllm_options=options, serve_adapter=spec.kind == "ours-adapter")
+    return trainer, trainer.engine
+
+
+KINDS: dict[str, Kind] = {
+    "stock": Kind("stock", "TRL's GRPOTrainer, colocate mode, PEFT LoRA, TRL's engine settings", build_stock),
+    "stock-4bit": Kind("stock-4bit", "stock on the NF4 base a QLoRA user loads", build_stock),
+    "user": Kind("user", "build_trainer with the plain config a user writes (every default)", build_user),
+    "user-merged": Kind("user-merged", "user + lora_merge_aware: null (PEFT's LoRA, merged)", build_user),
+    "user-adapter": Kind("user-adapter", "user + trl.vllm_lora_sync: true (the adapter served)", build_user),
+    "user-4bit": Kind("user-4bit", "user + load_in_4bit: true (one NF4 base, the adapter served)", build_user),
+    "user-fp32-head": Kind("user-fp32-head", "user + trl.cast_lm_head_to_fp32: true", build_user),
+    "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
+    "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
+    "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
+}
+
+
+def take_device_memory(card_gib: float) -> torch.Tensor:
+    """Allocate all but ``card_gib`` GiB of the device in one tensor: the run then sees a card of that size."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return torch.empty(int(total - card_gib * GIB - (total - free)), dtype=torch.uint8, device="cuda")
+
+
+class StepRecorder:
+    """Times one run's engine calls and optimizer steps.
+
+    ``current`` is the step in progress: each phase's seconds (a wake inside a sync is counted in both) and the
+    device's used GiB after it, ``overhead_s`` (the outermost calls but generate), and what the trainer logged.
+    ``steps`` are the finished steps. With ``train_seconds`` training stops after the first step that ends past
+    that many seconds from ``train_start``.
+    """
+
+    def __init__(self, cuda: bool, train_seconds: float | None) -> None:
+        self.cuda = cuda
+        self.train_seconds = train_seconds
+        self.train_start = math.nan
+        self.current: dict[str, Any] = {}
+        self.calls: list[str] = []  # the timed calls in progress, outermost first
+        self.steps: list[dict[str, Any]] = []
+
+    def device_used_gib(self) -> float:
+        """The whole device's used memory (every process's, the simulated card's allocation too), in GiB."""
+        import torch
+
+        if not self.cuda:
+            return 0.0
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / GIB
+
+    def alloc_retries(self) -> int:
+        import torch
+
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.cuda else 0
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, with its seconds and the device's used memory after it recorded under ``name``."""
+        import torch
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # A call inside another (a wake inside a sync) is not synchronized: colocate_grpo wakes the KV cache
+            # while the device writes the weights, and waiting would undo that.
+            outermost = not self.calls
+            if self.cuda and outermost:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            self.calls.append(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls.pop()
+                if self.cuda and outermost:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+                phase = self.current.setdefault("phases", {}).setdefault(name, {"s": 0.0, "device_gib": 0.0})
+                phase["s"] += elapsed
+                phase["device_gib"] = max(phase["device_gib"], self.device_used_gib())
+                if outermost and name != "generate":
+                    self.current["overhead_s"] = self.current.get("overhead_s", 0.0) + elapsed
+
+        return wrapper
+
+    def callback(self) -> TrainerCallback:
+        """The trainer callback that starts and ends each step's record and adds what the trainer logs."""
+        import psutil
+        import torch
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, *_: Any, **__: Any) -> None:
+                recorder.current.clear()
+                recorder.current["start"] = time.perf_counter()
+                recorder.current["alloc_retries"] = recorder.alloc_retries()
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+                current = recorder.current
+                seconds = recorder.train_seconds
+                if seconds is not None and time.perf_counter() - recorder.train_start > seconds:
+                    control.should_training_stop = True
+                if recorder.cuda:
+                    torch.cuda.synchronize()
+                current["step_s"] = time.perf_counter() - current.pop("start")
+                current["alloc_retries"] = recorder.alloc_retries() - current["alloc_retries"]
+                current["train_device_gib"] = recorder.device_used_gib()
+                current["host_rss_gib"] = psutil.Process().memory_info().rss / GIB
+                recorder.steps.append({"step": len(recorder.steps) + 1, **current})
+
+            def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **_: Any) -> None:
+                if not logs or not recorder.steps:
+                    return
+                step = recorder.steps[-1]
+                if "sampling/sampling_logp_difference/mean" in logs:
+                    step["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
+                if "entropy" in logs:
+                    step["entropy"] = logs["entropy"]
+                checks = [value for key, value in logs.items() if key.endswith("served_equals_trained")]
+                if checks:
+                    step["served_equals_trained"] = bool(min(checks))
+                # colocate_grpo's own per-phase clock and merge checks, as the run logged them.
+                own = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/")
+                step["logged"] = {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
+
+        return Steps()
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def mean(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
+
+
+def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean |logp_vLLM - logp_trainer| over the run, in its first and last tenth, and per pass over the prompts
+    (a step's mismatch depends on the prompts it draws: two passes compare the same prompts)."""
+    values = [s["logp_diff"] for s in steps if "logp_diff" in s]
+    tenth = max(1, len(values) // 10)
+    passes = [values[i : i + STEPS_PER_PASS] for i in range(0, len(values) - STEPS_PER_PASS + 1, STEPS_PER_PASS)]
+    return {
+        "mean": mean(values),
+        "first_tenth": mean(values[:tenth]),
+        "last_tenth": mean(values[-tenth:]),
+        "by_pass": [statistics.mean(p) for p in passes],
+    }
+
+
+def run_kind(spec: RunSpec) -> dict[str, Any]:
+    """One training run of ``spec.kind`` in this process: the result's ``steps``, ``summary``, ``memory``,
+    ``mismatch``, ``served_equals_trained`` and ``metrics`` (of the harness's schema, see ``run.py``)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device_total_gib = torch.cuda.mem_get_info()[1] / GIB if cuda else 0.0
+    taken = take_device_memory(spec.card_gib) if cuda and spec.card_gib else None
+    trainer, engine = KINDS[spec.kind].build(spec)
+    print(ENGINE_STARTED, flush=True)
+    model = trainer.model
+    base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
+
+    recorder = StepRecorder(cuda, spec.train_seconds)
+    generation = trainer.vllm_generation
+    generation.sync_weights = recorder.timed("sync", generation.sync_weights)
+    for phase in ("sleep", "wake_up", "generate"):
+        setattr(engine, phase, recorder.timed(phase.removesuffix("_up"), getattr(engine, phase)))
+    trainer.add_callback(recorder.callback())
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    recorder.train_start = time.perf_counter()
+    trainer.train()
+    del taken
+
+    steps = recorder.steps
+    measured = steps[WARMUP_STEPS:] or steps
+    drift = [
+        (p.detach().cpu().float() - base_before[n].float()).abs()
+        for n, p in model.named_parameters()
+        if "lora_" not in n
+    ]
+    peaks = {
+        phase: max((s.get("phases", {}).get(phase, {}).get("device_gib", 0.0) for s in steps), default=0.0)
+        for phase in PHASES
+    }
+    peaks["train"] = max((s["train_device_gib"] for s in steps), default=0.0)
+    peak = max(peaks.values())
+    checks = [s["served_equals_trained"] for s in steps if "served_equals_trained" in s]
+    step_s = median([s["step_s"] for s in measured])
+    return {
+        "steps": steps,
+        "summary": {
+            "step_s": step_s,
+            "phase_s": {p: median([s.get("phases", {}).get(p, {}).get("s", 0.0) for s in measured]) for p in PHASES},
+            "overhead_share": median([s.get("overhead_s", 0.0) / s["step_s"] for s in measured]),
+            # Completions generated and trained a second, over every rank.
+            "samples_per_s": spec.ranks * GENERATION_BATCH / step_s if step_s else None,
+            "steps_run": len(steps),
+        },
+        "memory": {
+            "peak_device_gib_by_phase": peaks,
+            "peak_device_gib": peak,
+            # Of a simulated card: the device's used memory counts the allocation that simulates it.
+            "card_used_gib": peak - (device_total_gib - spec.card_gib) if cuda and spec.card_gib else None,
+            "trainer_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+        },
+        "mismatch": mismatch_summary(steps),
+        "served_equals_trained": min(checks) if checks else None,
+        "metrics": {
+            # The policy's mean entropy (nats): how sharp its next-token distributions are (see build_model).
+            "entropy": mean([s["entropy"] for s in steps if "entropy" in s]),
+            # 0 when no step trained (a reward without spread in any group): the run's weights never moved.
+            "lora_b_max": max(
+                (float(p.detach().abs().max()) for n, p in model.named_parameters() if "lora_B" in n), default=0.0
+            ),
+            # torch's allocator freed its cache and tried again (a device-wide synchronization each time).
+            "alloc_retries": sum(s.get("alloc_retries", 0) for s in measured),
+            "base_drift_max": max((float(d.max()) for d in drift), default=0.0),
+        },
+    }
+
+
+def is_rank_zero() -> bool:
+    """Whether this process writes the result: the only one, or rank 0 of a ``torchrun`` launch."""
+    return os.environ.get("RANK", "0") == "0"

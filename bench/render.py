@@ -1,0 +1,281 @@
+"""Render the results tables of the README, bench/README.md and docs/results.md from the result JSONs.
+
+    python bench/render.py            # rewrite the tables between their markers (docs/results.md whole)
+    python bench/render.py --check    # exit 1 if a file's tables differ from what the results give
+
+Reads every ``bench/results/*/*.json`` of the harness's schema (``run.py``), leaving out CPU checks. Where
+several folders hold the same experiment, shape and kind, the newest folder's result is the one shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+README = ROOT / "README.md"
+BENCH_README = HERE / "README.md"
+DOCS = ROOT / "docs" / "results.md"
+START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+
+
+def load_results(results: Path = RESULTS) -> list[dict[str, Any]]:
+    """Every result of the schema under ``results``, oldest folder first, each with its ``folder``'s name."""
+    loaded = []
+    for path in sorted(results.glob("*/*.json")):
+        result = json.loads(path.read_text())
+        if isinstance(result, dict) and result.get("schema") and not result["config"].get("check"):
+            loaded.append({**result, "folder": path.parent.name})
+    return loaded
+
+
+def newest(results: list[dict], **match: Any) -> dict | None:
+    """The newest finished result whose fields equal ``match``."""
+    found = [r for r in results if not r["failed"] and all(r.get(k) == v for k, v in match.items())]
+    return found[-1] if found else None
+
+
+def device_name(result: dict) -> str:
+    """The result's GPU as a reader names it (``H200``), or ``CPU``."""
+    gpus = result["machine"]["gpus"]
+    return gpus[0].split(",")[0].removeprefix("NVIDIA ").split()[0] if gpus else "CPU"
+
+
+def link(result: dict, prefix: str) -> str:
+    return f"[`{result['folder']}`]({prefix}{result['folder']}/)"
+
+
+def smallest_card(results: list[dict], shape: str, kind: str) -> dict | None:
+    """The memory frontier's result of ``kind`` at ``shape`` on the smallest card it ran on, in the newest folder
+    that searched it."""
+    tried = [r for r in results if r["experiment"] == "memory-frontier" and r["shape"] == shape and r["kind"] == kind]
+    if not tried:
+        return None
+    folder = tried[-1]["folder"]
+    ran = [r for r in tried if r["folder"] == folder and not r["failed"]]
+    return min(ran, key=lambda r: r["config"]["card_gib"]) if ran else None
+
+
+def headline_table(results: list[dict], prefix: str) -> str:
+    """The README's three rows: the 1.5B step and peak memory against stock TRL, the smallest card for 7B."""
+    lines = ["| measured | colocate_grpo (the user's config) | stock TRL | results |", "|---|---|---|---|"]
+    ours = newest(results, experiment="step-vs-trl", shape="1.5B", kind="user")
+    stock = ours and newest(results, experiment="step-vs-trl", shape="1.5B", kind="stock", folder=ours["folder"])
+    if ours and stock:
+        step, stock_step = ours["summary"]["step_s"], stock["summary"]["step_s"]
+        peak, stock_peak = ours["memory"]["peak_device_gib"], stock["memory"]["peak_device_gib"]
+        where = f"1.5B, {device_name(ours)}"
+        lines.append(
+            f"| step time, {where} | {step:.2f} s ({step / stock_step:.2f}x) | {stock_step:.2f} s "
+            f"| {link(ours, prefix)} |"
+        )
+        lines.append(
+            f"| peak device memory, {where} | {peak:.1f} GiB ({peak / stock_peak:.2f}x) | {stock_peak:.1f} GiB "
+            f"| {link(ours, prefix)} |"
+        )
+    ours_card, stock_card = smallest_card(results, "7B", "user"), smallest_card(results, "7B", "stock")
+    if ours_card and stock_card:
+        lines.append(
+            f"| smallest card for a 7B model (simulated on an {device_name(ours_card)}) | "
+            f"{ours_card['config']['card_gib']:g} GiB ({ours_card['memory']['card_used_gib']:.1f} used) | "
+            f"{stock_card['config']['card_gib']:g} GiB ({stock_card['memory']['card_used_gib']:.1f} used) | "
+            f"{link(ours_card, prefix)} |"
+        )
+    return "\n".join(lines)
+
+
+def ratio(value: float | None, base: float | None) -> str:
+    return f" ({value / base:.2f}x)" if value is not None and base else ""
+
+
+def training_table(results: list[dict], prefix: str) -> str:
+    """Every training result but the frontier's, by folder and experiment, each against stock TRL's beside it."""
+    lines = [
+        "| results | experiment | shape | kind | steps | step s | generate s | sync s | peak device GiB "
+        "| mismatch | served == trained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["kind"] is None or r["experiment"] == "memory-frontier" or r["failed"]:
+            continue
+        stock = newest(results, experiment=r["experiment"], shape=r["shape"], kind="stock", folder=r["folder"])
+        stock = None if stock is r else stock
+        summary, phases = r["summary"], r["summary"]["phase_s"]
+        peak = r["memory"]["peak_device_gib"]
+        mismatch = r["mismatch"]["mean"]
+        lines.append(
+            f"| {link(r, prefix)} | {r['experiment']} | {r['shape']} | {r['kind']} | {summary['steps_run']} "
+            f"| {summary['step_s']:.2f}{ratio(summary['step_s'], stock and stock['summary']['step_s'])} "
+            f"| {phases['generate']:.2f} | {1e3 * phases['sync']:.0f} ms "
+            f"| {peak:.1f}{ratio(peak, stock and stock['memory']['peak_device_gib'])} "
+            f"| {mismatch:.5f}{ratio(mismatch, stock and stock['mismatch']['mean'])} "
+            f"| {'' if r['served_equals_trained'] is None else r['served_equals_trained']} |"
+        )
+    return "\n".join(lines)
+
+
+def long_run_table(results: list[dict], prefix: str) -> str:
+    """The mismatch by pass over the prompts in the long runs: the last pass against the first."""
+    lines = [
+        "| results | shape | kind | steps | mismatch, first pass | last pass | last / first |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        passes = r["mismatch"].get("by_pass") or []
+        if r["experiment"] != "mismatch-long" or r["failed"] or len(passes) < 2:
+            continue
+        lines.append(
+            f"| {link(r, prefix)} | {r['shape']} | {r['kind']} | {r['summary']['steps_run']} | {passes[0]:.5f} "
+            f"| {passes[-1]:.5f} | {passes[-1] / passes[0]:.3g}x |"
+        )
+    return "\n".join(lines)
+
+
+def frontier_table(results: list[dict], prefix: str) -> str:
+    """The smallest simulated card each kind ran on, by shape, from the newest folder that searched it."""
+    lines = [
+        "| shape | kind | smallest card that runs it (GiB) | used of it (GiB) | plan's peak (GiB) | step s | results |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    frontier = [r for r in results if r["experiment"] == "memory-frontier"]
+    for shape in dict.fromkeys(r["shape"] for r in frontier):
+        for kind in dict.fromkeys(r["kind"] for r in frontier if r["shape"] == shape):
+            best = smallest_card(results, shape, kind)
+            if best is None:
+                folder = [r for r in frontier if r["shape"] == shape and r["kind"] == kind][-1]["folder"]
+                cards = sorted(
+                    r["config"]["card_gib"]
+                    for r in frontier
+                    if r["shape"] == shape and r["kind"] == kind and r["folder"] == folder
+                )
+                lines.append(f"| {shape} | {kind} | none of {', '.join(f'{c:g}' for c in cards)} | | | | |")
+                continue
+            plan = best["metrics"].get("plan")
+            planned = ""
+            if plan:
+                host = plan["merge_record_host_gib"]
+                planned = f"{plan['generation_peak_gib']:.1f}" + (f" (+{host:.1f} in host memory)" if host else "")
+            lines.append(
+                f"| {shape} | {kind} | {best['config']['card_gib']:g} | {best['memory']['card_used_gib']:.1f} "
+                f"| {planned} | {best['summary']['step_s']:.2f} | {link(best, prefix)} |"
+            )
+    return "\n".join(lines)
+
+
+def kernel_tables(results: list[dict], prefix: str) -> str:
+    """Each microbenchmark's rows, one table per result."""
+    parts = []
+    for r in results:
+        rows = r["metrics"].get("rows") if r["kind"] is None and not r["failed"] else None
+        if not rows:
+            continue
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+        lines = [f"`{r['experiment']}` at {r['shape']}, {device_name(r)}, {link(r, prefix)}:", ""]
+        lines += ["| " + " | ".join(keys) + " |", "|---" * len(keys) + "|"]
+        for row in rows:
+            lines.append("| " + " | ".join(cell(row.get(k)) for k in keys) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) if parts else "None kept."
+
+
+def cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def docs_page(results: list[dict]) -> str:
+    prefix = "../bench/results/"
+    return "\n".join(
+        [
+            "# Benchmark results",
+            "",
+            "Rendered by `python bench/render.py` from the result JSONs in `bench/results/` (do not edit by hand);",
+            "`bench/README.md` says how each experiment runs, `bench/FINDINGS.md` what the earlier probes found.",
+            "Ratios in brackets are against stock TRL's run of the same experiment, shape and results folder.",
+            "",
+            "## The headline",
+            "",
+            headline_table(results, prefix),
+            "",
+            "## Training runs",
+            "",
+            "Medians over the steps after the second; peak device memory is the whole device's used memory after",
+            "any phase; mismatch is TRL's mean |logp_vLLM - logp_trainer| over the run; served == trained is the",
+            "worst of colocate_grpo's bitwise checks of the engine's weights (blank: stock TRL, which does not check).",
+            "",
+            training_table(results, prefix),
+            "",
+            "## The mismatch over a long run",
+            "",
+            "A step's mismatch depends on the prompts it draws, so passes over the prompts compare like with like.",
+            "",
+            long_run_table(results, prefix),
+            "",
+            "## The memory frontier",
+            "",
+            "Simulated cards (the rest of the device taken by one allocation before the run), micro-batch 8.",
+            "",
+            frontier_table(results, prefix),
+            "",
+            "## Kernel microbenchmarks",
+            "",
+            kernel_tables(results, prefix),
+            "",
+        ]
+    )
+
+
+def latest_table(results: list[dict], prefix: str) -> str:
+    """bench/README.md's index: each experiment's newest results folder and what it holds."""
+    lines = ["| experiment | newest results | shapes | kinds |", "|---|---|---|---|"]
+    for experiment in dict.fromkeys(r["experiment"] for r in results):
+        mine = [r for r in results if r["experiment"] == experiment]
+        folder = mine[-1]["folder"]
+        mine = [r for r in mine if r["folder"] == folder]
+        shapes = ", ".join(dict.fromkeys(r["shape"] for r in mine))
+        kinds = ", ".join(dict.fromkeys(r["kind"] for r in mine if r["kind"])) or "(microbenchmark)"
+        lines.append(f"| `{experiment}` | [`{folder}`]({prefix}{folder}/) | {shapes} | {kinds} |")
+    return "\n".join(lines)
+
+
+def between_markers(text: str, table: str) -> str:
+    """``text`` with what stands between the markers replaced by ``table``."""
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table}\n{END}{tail}"
+
+
+def rendered(results: list[dict]) -> dict[Path, str]:
+    """Each file's text with its tables rendered from ``results``."""
+    return {
+        README: between_markers(README.read_text(), headline_table(results, "bench/results/")),
+        BENCH_README: between_markers(BENCH_README.read_text(), latest_table(results, "results/")),
+        DOCS: docs_page(results),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are not what the results give")
+    args = parser.parse_args()
+    stale = []
+    for path, text in rendered(load_results()).items():
+        if path.exists() and path.read_text() == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.write_text(text)
+    if args.check and stale:
+        print("Tables out of date (run python bench/render.py): " + ", ".join(str(p) for p in stale), file=sys.stderr)
+        sys.exit(1)
+    print("Up to date." if not stale else "Rendered: " + ", ".join(str(p.relative_to(ROOT)) for p in stale))
+
+
+if __name__ == "__main__":
+    main()

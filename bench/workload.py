@@ -1,0 +1,198 @@
+"""The benchmarks' models, prompts, reward and the plain config a user writes: built locally, no download.
+
+Shapes are Qwen2.5's dimensions (``QWEN25``) with random bf16 weights and a word-level tokenizer over the
+vocabulary (``t0`` ... ``tN``); ``tiny`` is colocate_grpo's 0.3M-parameter model (the CPU checks). A shape
+ending in ``-sharp`` has its head scaled so that its next-token distributions are as sharp as a trained
+model's (see :func:`build_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Config
+
+QWEN25 = {
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "3B": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "7B": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+    ),
+    "14B": dict(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+    ),
+}
+SHARP = "-sharp"
+SHARP_LOGIT_STD = 8.0
+PROMPT_TOKENS = 32  # words of the word-level tokenizer a prompt has: that many tokens
+PROMPTS = 256
+NUM_GENERATIONS = 8
+GENERATION_BATCH = 64  # sequences generated a step: 8 prompts x 8 generations
+COMPLETION_TOKENS = 256  # the most a completion may have; random weights rarely stop sooner
+TINY_COMPLETION_TOKENS = 4
+STEPS_PER_PASS = PROMPTS // (GENERATION_BATCH // NUM_GENERATIONS)  # steps that draw every prompt once
+
+
+def layer_linears(dims: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear of one decoder layer of a Qwen2 with these dimensions (a ``QWEN25`` entry or a
+    config's ``to_dict()``), by its name in the layer: q, k, v, o, gate, up, down."""
+    hidden, inter = dims["hidden_size"], dims["intermediate_size"]
+    kv = hidden // dims["num_attention_heads"] * dims["num_key_value_heads"]
+    return {
+        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.k_proj": (kv, hidden),
+        "self_attn.v_proj": (kv, hidden),
+        "self_attn.o_proj": (hidden, hidden),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+
+
+def linear_shapes(shape: str) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer of a ``QWEN25`` shape but the head: q, k, v, o, gate, up, down per layer."""
+    return list(layer_linears(QWEN25[shape]).values()) * QWEN25[shape]["num_hidden_layers"]
+
+
+def half_vocabulary_reward(completions: list[str], **_: object) -> list[float]:
+    """Share of the completion's words in a fixed half of the vocabulary (those whose CRC-32 is even).
+
+    A reward with spread at every shape, so that every step trains: a group's completions of 256 tokens
+    differ by about 0.03, of 4 tokens (the tiny model) by about 0.25, and a policy earns more by moving
+    probability into that half. (A share of distinct tokens has none at 1.5B and 7B: 256 tokens drawn
+    from 152k rarely repeat, every reward is 1, and every gradient 0.)
+    """
+    return [sum(zlib.crc32(w.encode()) % 2 == 0 for w in c.split()) / max(1, len(c.split())) for c in completions]
+
+
+def benchmark_prompts(model_path: str, count: int = PROMPTS) -> list[str]:
+    """``count`` prompts for the model at ``model_path``: the arithmetic task's on the tiny model, words of
+    the vocabulary on a :func:`build_model` shape (the same every call)."""
+    if "tiny" in model_path:
+        from colocate_grpo.tasks import arithmetic_dataset
+
+        return list(arithmetic_dataset(size=count)["prompt"])
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model_path))
+    rng = random.Random(0)
+    return [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(count)]
+
+
+def shape_config(shape: str) -> Qwen2Config:
+    """The Hugging Face config of the random-weight Qwen2 of ``shape`` (an untied head)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        **QWEN25[shape.removesuffix(SHARP)],
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
+
+
+def build_model(shape: str, models: Path) -> str:
+    """The directory of ``shape``'s model, built in ``models/<shape>`` unless it is there already.
+
+    A random-weight bf16 Qwen2 with a word-level tokenizer covering its vocabulary; ``tiny`` is colocate_grpo's
+    tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``) has its head scaled so that the logits' standard
+    deviation is ``SHARP_LOGIT_STD``: a random model's next-token distributions are near uniform (entropy 11.2
+    nats of at most 11.9), a trained model's are sharp, and the head's rounding weighs with the logits' size.
+    """
+    if shape == "tiny":
+        from colocate_grpo.tiny import tiny_model_path
+
+        return str(tiny_model_path())
+    directory = models / shape
+    if (directory / "config.json").exists():
+        return str(directory)
+    import torch
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+    vocab = {f"t{i}": i for i in range(QWEN25[shape.removesuffix(SHARP)]["vocab_size"])}
+    word_level = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="t1"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="t0", pad_token="t0", unk_token="t1")
+    config = shape_config(shape)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    if shape.endswith(SHARP):  # the final norm's output has unit RMS: a logit's std is the head row's norm
+        with torch.no_grad():
+            model.lm_head.weight.mul_(SHARP_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    # The runs measure the device's used memory, which would count this process's cache (30 GiB at 7B).
+    del model
+    torch.cuda.empty_cache()
+    return str(directory)
+
+
+def user_config(
+    model_path: str,
+    directory: Path,
+    steps: int,
+    micro_batch: int,
+    completion_tokens: int,
+    extra: Mapping[str, Any] | None = None,
+    prompts: list[str] | None = None,
+) -> dict[str, Any]:
+    """The config a user writes for this benchmark: model, dataset, reward and batch keys, all else default,
+    plus ``extra`` (the one key that picks another way of serving the policy, say; its ``trl`` block merges
+    into the config's). The prompts (by default :func:`benchmark_prompts`) are written to
+    ``directory``/prompts.jsonl."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "prompts.jsonl"
+    prompts = benchmark_prompts(model_path) if prompts is None else prompts
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    extra = dict(extra or {})
+    return {
+        "base_model": model_path,
+        "output_dir": str(directory / "run"),
+        "task": None,
+        "dataset": {"path": str(data), "chat": False},
+        "micro_batch_size": micro_batch,
+        "gradient_accumulation_steps": GENERATION_BATCH // micro_batch,
+        "max_steps": steps,
+        **{key: value for key, value in extra.items() if key != "trl"},
+        "trl": {
+            "reward_funcs": ["workload.half_vocabulary_reward"],
+            "num_generations": NUM_GENERATIONS,
+            "max_completion_length": completion_tokens,
+            **extra.get("trl", {}),
+        },
+    }
