@@ -105,7 +105,7 @@ EXPERIMENTS = {
             shapes=("tiny",),
             kinds=("user",),
             steps=200,
-            check={"steps": 3},
+            # No CPU check of its own: step-vs-trl's is the same kind on the same model.
         ),
         Experiment(
             "data-parallel",

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from experiments import EXPERIMENTS
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -22,6 +24,12 @@ README = ROOT / "README.md"
 BENCH_README = HERE / "README.md"
 DOCS = ROOT / "docs" / "results.md"
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+
+
+def shape_size(shape: str) -> float:
+    """Billions of parameters of a shape's name (``7B``, ``1.5B-sharp``), 0 for ``tiny``: the tables' order."""
+    size = shape.split("-")[0].removesuffix("B")
+    return float(size) if size.replace(".", "", 1).isdigit() else 0.0
 
 
 def load_results(results: Path = RESULTS) -> list[dict[str, Any]]:
@@ -143,7 +151,7 @@ def frontier_table(results: list[dict], prefix: str) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     frontier = [r for r in results if r["experiment"] == "memory-frontier"]
-    for shape in dict.fromkeys(r["shape"] for r in frontier):
+    for shape in sorted(dict.fromkeys(r["shape"] for r in frontier), key=shape_size):
         for kind in dict.fromkeys(r["kind"] for r in frontier if r["shape"] == shape):
             best = smallest_card(results, shape, kind)
             if best is None:
@@ -234,11 +242,11 @@ def docs_page(results: list[dict]) -> str:
 def latest_table(results: list[dict], prefix: str) -> str:
     """bench/README.md's index: each experiment's newest results folder and what it holds."""
     lines = ["| experiment | newest results | shapes | kinds |", "|---|---|---|---|"]
-    for experiment in dict.fromkeys(r["experiment"] for r in results):
+    for experiment in sorted(dict.fromkeys(r["experiment"] for r in results), key=list(EXPERIMENTS).index):
         mine = [r for r in results if r["experiment"] == experiment]
         folder = mine[-1]["folder"]
         mine = [r for r in mine if r["folder"] == folder]
-        shapes = ", ".join(dict.fromkeys(r["shape"] for r in mine))
+        shapes = ", ".join(sorted(dict.fromkeys(r["shape"] for r in mine), key=shape_size))
         kinds = ", ".join(dict.fromkeys(r["kind"] for r in mine if r["kind"])) or "(microbenchmark)"
         lines.append(f"| `{experiment}` | [`{folder}`]({prefix}{folder}/) | {shapes} | {kinds} |")
     return "\n".join(lines)
