@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate_grpo.config import Config, ConfigError
+from colocate_grpo.config import Config, ConfigError, VLLMConfig
 
 GIB = 2**30
+# gpu_memory_utilization where the engine cannot be sized (a model whose config transformers cannot read).
+FALLBACK_FRACTION = 0.3
 # Room that vLLM's forward needs besides weights and KV cache (its profile run at 4096 batched tokens).
 ACTIVATION_MARGIN_BYTES = 2 * GIB
 # vLLM's CUDA graphs for batches up to the engine's max_num_seqs: 0.19 GiB at 1.5B with 64 sequences on the H200
@@ -153,6 +155,30 @@ def weight_bytes(shape: ModelShape, dtype: torch.dtype, four_bit: bool = False) 
 def engine_bytes(weights: int, kv_cache: int, cuda_graphs: bool) -> int:
     """Device bytes the engine takes while it generates: weights, KV cache, forward and (if on) CUDA graphs."""
     return weights + kv_cache + ACTIVATION_MARGIN_BYTES + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
+
+
+def engine_memory(
+    options: VLLMConfig, device: str, weights: int | None, kv_cache: int | None, total: int | None
+) -> tuple[float, int | None]:
+    """vLLM's ``gpu_memory_utilization`` and KV cache bytes for the engine (None: vLLM sizes the cache).
+
+    ``weights`` and ``kv_cache`` are the engine's bytes (None: unknown); ``total`` the device's bytes.
+    """
+    fraction = options.gpu_memory_utilization
+    needed = kv_cache if options.kv_cache == "batch" else None
+    if device != "cuda":
+        # vLLM on CPU sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes negative once a
+        # long-lived process (a notebook, a test session) has loaded models; given a size, it ignores the fraction.
+        largest = int(options.cpu_kv_cache_gib * GIB)
+        return (FALLBACK_FRACTION if fraction == "auto" else fraction), min(needed or largest, largest)
+    if needed is None or weights is None or total is None:
+        return (FALLBACK_FRACTION if fraction == "auto" else fraction), None
+    engine = engine_bytes(weights, needed, cuda_graphs=not options.enforce_eager)
+    if fraction == "auto":
+        return engine / total, needed
+    if engine > fraction * total:  # the batch's cache does not fit the fraction: vLLM sizes it from the fraction
+        return fraction, None
+    return fraction, needed
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from colocate_grpo.memory_plan import (
     LORA_ITEMSIZE,
     MemoryPlan,
     ModelShape,
-    engine_bytes,
+    engine_memory,
     kv_cache_bytes,
     lora_parameters,
     model_shape,
@@ -46,8 +46,6 @@ from colocate_grpo.memory_plan import (
 MIN_NUM_SEQS = 64
 # The adapter ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# gpu_memory_utilization where the plan cannot size the engine (a model whose config transformers cannot read).
-FALLBACK_FRACTION = 0.3
 
 
 class Serving(enum.Enum):
@@ -553,7 +551,7 @@ def _size_engine(
     if kv_per_token and sequence_tokens:
         kv = kv_cache_bytes(kv_per_token, max_num_seqs, sequence_tokens, max_model_len or 0)
     weights = weight_bytes(shape, dtype, four_bit) if shape is not None else None
-    fraction, engine_kv = _engine_memory(options, device, weights, kv, total)
+    fraction, engine_kv = engine_memory(options, device, weights, kv, total)
     spec = EngineSpec(
         model_path=model_path,
         options=dataclasses.replace(options, max_model_len=max_model_len),
@@ -569,30 +567,6 @@ def _size_engine(
         seed=seed,
     )
     return spec, kv, weights
-
-
-def _engine_memory(
-    options: VLLMConfig, device: str, weights: int | None, kv_cache: int | None, total: int | None
-) -> tuple[float, int | None]:
-    """vLLM's ``gpu_memory_utilization`` and KV cache bytes for the engine (None: vLLM sizes the cache).
-
-    ``weights`` and ``kv_cache`` are the engine's bytes (None: unknown); ``total`` the device's bytes.
-    """
-    fraction = options.gpu_memory_utilization
-    needed = kv_cache if options.kv_cache == "batch" else None
-    if device != "cuda":
-        # vLLM on CPU sizes the KV cache as (fraction of RAM) minus this process's RSS, which goes negative once a
-        # long-lived process (a notebook, a test session) has loaded models; given a size, it ignores the fraction.
-        largest = int(options.cpu_kv_cache_gib * GIB)
-        return (FALLBACK_FRACTION if fraction == "auto" else fraction), min(needed or largest, largest)
-    if needed is None or weights is None or total is None:
-        return (FALLBACK_FRACTION if fraction == "auto" else fraction), None
-    engine = engine_bytes(weights, needed, cuda_graphs=not options.enforce_eager)
-    if fraction == "auto":
-        return engine / total, needed
-    if engine > fraction * total:  # the batch's cache does not fit the fraction: vLLM sizes it from the fraction
-        return fraction, None
-    return fraction, needed
 
 
 def _adapted(config: Config, name: str) -> bool:

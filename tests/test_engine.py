@@ -14,6 +14,7 @@ from colocate_grpo.engine_registry import second_engine_message
 from colocate_grpo.memory_plan import model_shape
 from colocate_grpo.plan import standalone_engine
 from colocate_grpo.tiny import tiny_model_path
+from colocate_grpo.vllm_shims import SavedBuffers
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
 PROMPT = [{"prompt_token_ids": [20, 11, 21, 29]}]
@@ -159,12 +160,13 @@ def test_buffers_saved_at_a_level_2_sleep_are_written_back_on_any_device(engine)
     """The copy and write-back that a level-2 sleep and the next wake make on GPUs, run here directly."""
     buffers = dict(engine.model.named_buffers())
     expected = {name: buffer.clone() for name, buffer in buffers.items()}
-    engine._saved_buffers = engine._save_buffers()
+    saved = SavedBuffers()
+    saved.save(engine.model)
     for buffer in buffers.values():  # what a discarded, remapped weights pool could hold
         buffer.fill_(7)
-    engine._restore_buffers()
+    saved.restore()
     assert expected and all(torch.equal(buffers[name], value) for name, value in expected.items())
-    assert engine._saved_buffers == []
+    assert saved._saved == []
 
 
 def test_pool_by_tag_follows_sleep_and_wake(engine):

@@ -26,7 +26,8 @@ def untied_model(tmp_path_factory):
 
 
 def mean_mismatch(tmp_path, base_model, fp32_head):
-    """Mean |logprob vLLM - logprob trainer| over fixed completions: TRL's fused head against the engine."""
+    """Mean |logprob vLLM - logprob trainer| over fixed completions (TRL's fused head against the engine), and the
+    largest |logprob trainer - logprob of an fp32 head| over the same tokens, from the trainer's own hidden states."""
     raw = load_config(default_config_path()).to_dict()
     raw.update({"base_model": base_model, "output_dir": str(tmp_path / "run"), "micro_batch_size": 16})
     raw["trl"]["cast_lm_head_to_fp32"] = fp32_head
@@ -44,24 +45,32 @@ def mean_mismatch(tmp_path, base_model, fp32_head):
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outputs = engine.generate([{"prompt_token_ids": s} for s in sequences], params)
     engine.sleep()
-    differences = []
+    differences, from_fp32_head = [], []
+    head = model.get_output_embeddings().weight.float()
     with torch.no_grad():
         for ids, output in zip(sequences, outputs, strict=True):
             served = torch.tensor([output.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
             x = torch.tensor([ids])
             trained = model(input_ids=x, labels=x, fused_lm_head=True).log_probs[0].float()
             differences.append((served - trained).abs())
-    return torch.cat(differences).mean().item()
+            hidden = model(input_ids=x, output_hidden_states=True).hidden_states[-1][0, :-1].float()
+            exact = torch.log_softmax(hidden @ head.T, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
+            from_fp32_head.append((trained - exact).abs())
+    return torch.cat(differences).mean().item(), torch.cat(from_fp32_head).max().item()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="two engines, and vLLM allows one sleep-mode engine per process")
 @pytest.mark.parametrize("head", ["tied", "untied"])
-def test_an_fp32_head_on_both_sides_halves_the_logprob_mismatch(tmp_path, head, untied_model):
+def test_an_fp32_head_on_both_sides_computes_the_logits_in_fp32(tmp_path, head, untied_model):
+    """The trainer's fused head scores in fp32 (the engine's head_dtype is checked in mean_mismatch), and the
+    mismatch does not grow. How much it shrinks depends on how much of it the head makes, which depends on the
+    kernels: on the tiny model, 0.43x on CPUs without AMX; none on AMX CPUs (1.07x: 0.0053 against 0.0050), whose
+    kernels round the decoder differently; under 1% at 1.5B on GPUs (bench/FINDINGS.md)."""
     base_model = "tiny" if head == "tied" else untied_model
-    bf16 = mean_mismatch(tmp_path / "bf16", base_model, fp32_head=False)
-    fp32 = mean_mismatch(tmp_path / "fp32", base_model, fp32_head=True)
-    # Measured on the tiny model (tied): 0.0027 against 0.0062, 0.43x.
-    assert fp32 < 0.6 * bf16, (fp32, bf16)
+    bf16, bf16_from_fp32 = mean_mismatch(tmp_path / "bf16", base_model, fp32_head=False)
+    fp32, fp32_from_fp32 = mean_mismatch(tmp_path / "fp32", base_model, fp32_head=True)
+    assert fp32_from_fp32 < 1e-4 < bf16_from_fp32, (fp32_from_fp32, bf16_from_fp32)
+    assert fp32 < 1.2 * bf16, (fp32, bf16)
 
 
 def test_the_settings_that_decide_what_is_served_read_back_from_the_engine(tmp_path):
