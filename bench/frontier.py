@@ -32,7 +32,9 @@ def memory_plan(shape: str, kind: str, card_gib: float, micro_batch: int, models
     import torch
 
     from colocate_grpo.config import load_config
-    from colocate_grpo.memory_plan import model_shape, plan_memory
+    from colocate_grpo.memory_plan import model_shape
+    from colocate_grpo.plan import DeviceMemory, plan_run
+    from colocate_grpo.train import grpo_args
 
     directory = models / f"{shape}-config-only"
     if not (directory / "config.json").exists():
@@ -40,17 +42,19 @@ def memory_plan(shape: str, kind: str, card_gib: float, micro_batch: int, models
     with tempfile.TemporaryDirectory() as scratch:
         raw = user_config(str(directory), Path(scratch), 1, micro_batch, COMPLETION_TOKENS, USER_KEYS[kind], ["t2"])
         config = load_config(raw)
+        args = grpo_args(config, "cpu", torch.bfloat16)  # the GPU run's settings; the plan is told the device
     card = int(card_gib * GIB)
     # The benchmark's prompts are PROMPT_TOKENS words of the word-level tokenizer: that many tokens each.
-    plan = plan_memory(
+    plan = plan_run(
         config,
-        model_shape(str(directory), torch.bfloat16),
-        torch.bfloat16,
-        free=card,
-        total=card,
+        args,
+        model_path=str(directory),
+        device="cuda",
+        dtype=torch.bfloat16,
+        shape=model_shape(str(directory)),
         longest_prompt=PROMPT_TOKENS,
-        host_free=psutil.virtual_memory().available,
-    )
+        memory=DeviceMemory(card, card, psutil.virtual_memory().available),
+    ).memory
     return {
         "fits": plan.fits,
         "generation_peak_gib": plan.generation_peak / GIB,

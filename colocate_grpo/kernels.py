@@ -66,7 +66,7 @@ def fused_merged_weight(
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype, device=base.device)
     padded_rank = max(16, triton.next_power_of_2(rank))
-    # 32 x 128 tiles: 3 to 7% faster than 64 x 128 on the H200, the same bits (bench/merge_kernel_variants.py).
+    # 32 x 128 tiles: 3 to 7% faster than 64 x 128 on the H200, the same bits (bench/FINDINGS.md).
     block_m, block_n = 32, 128
     grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
     _merge_kernel[grid](
@@ -87,7 +87,7 @@ def copy_by_kernel(target: torch.Tensor, source: torch.Tensor) -> None:
 
     Captured in a CUDA graph, ``copy_`` becomes a memcpy node. On the H200 such nodes copied
     gigabyte-sized tensors (a 7B model's embeddings) at about 2.7 TB/s, and this kernel at 4.1 TB/s,
-    as fast as an eager ``copy_`` (bench/frozen_copies.py).
+    as fast as an eager ``copy_`` (bench/FINDINGS.md).
     """
     n = source.numel()
     block = 1024
@@ -114,7 +114,7 @@ class ScaledCopies:
     Each of the kernel's blocks reads its tensor's addresses from a table built once. On the H200, a
     7B model's LoRA factors (392 tensors) took 0.09 ms this way, against 0.25 ms for PyTorch's
     ``_foreach_mul`` and ``_foreach_copy_`` (12 kernels, replayed as a CUDA graph) and 1.2 ms for a
-    copy per tensor (bench/adapter_write_variants.py); one launch needs no graph.
+    copy per tensor (bench/FINDINGS.md); one launch needs no graph.
     The product is taken in fp32 and rounded to the target's dtype to nearest even, as PyTorch's
     ``(source * scale).to(dtype)`` of an fp32 source does, so the two write the same bits.
 

@@ -24,7 +24,7 @@ FALLBACK_FRACTION = 0.3
 # Room that vLLM's forward needs besides weights and KV cache (its profile run at 4096 batched tokens).
 ACTIVATION_MARGIN_BYTES = 2 * GIB
 # vLLM's CUDA graphs for batches up to the engine's max_num_seqs: 0.19 GiB at 1.5B with 64 sequences on the H200
-# (bench/results/2026-12-02-h200-af781bd); larger models and batches take more, hence the round margin.
+# (bench/FINDINGS.md); larger models and batches take more, hence the round margin.
 CUDA_GRAPH_BYTES = GIB
 # vLLM's KV cache blocks hold 16 to 128 tokens (by attention backend; 128 on CPU) and a sequence's last block
 # is partly empty: its length rounded up to 64 tokens, plus 64, covers every block size up to 128.

@@ -201,7 +201,7 @@ class ColocatedGeneration(VLLMGeneration):
             else:
                 push_weights(self.model, self.llm, stats)
             # Generation comes next and needs the KV cache. Waking it is the driver's work on the CPU: done
-            # while the device still writes the weights, it takes no time of its own (bench/results/).
+            # while the device still writes the weights, it takes no time of its own (bench/FINDINGS.md).
             self.llm.wake_up(["kv_cache"])
         if check is None:
             return
