@@ -85,6 +85,7 @@ def write_atomically(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` in one step: a reader (or a kill) sees the old file or the new, never half."""
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # mkstemp's file is the owner's alone
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
