@@ -237,7 +237,7 @@ def check_output_dir(config: Config, claim: bool = True) -> OutputDir:
     main = _is_main_process()
     if claim and main:
         folder.lock()
-    elif (path / LOCK).is_file():  # only look: a held lock refuses this run as it would refuse its start
+    elif not claim and (path / LOCK).is_file():  # only look: a held lock refuses this run as it would its start
         fd = _try_lock(path / LOCK)
         if fd is None:
             raise _refuse_held(path, path / LOCK)
