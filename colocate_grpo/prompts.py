@@ -24,9 +24,17 @@ def is_blank(prompt: Any) -> bool:
         return True
     if isinstance(prompt, str):
         return not prompt.strip()
-    if isinstance(prompt, list):
-        return all(is_blank(m.get("content") if isinstance(m, dict) else m) for m in prompt)
+    if isinstance(prompt, list):  # chat messages, or a message's parts
+        return all(_is_blank_part(part) for part in prompt)
     return False
+
+
+def _is_blank_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return is_blank(part)
+    if "content" in part:  # a chat message
+        return is_blank(part["content"])
+    return is_blank(part["text"]) if "text" in part else False  # a text part; an image is not blank
 
 
 def _rows(rows: list[int]) -> str:
