@@ -300,7 +300,9 @@ def train(
         dashboard: show the live dashboard in the notebook cell that runs this (needs ipywidgets).
 
     Raises:
-        ConfigError: on bad input, before any model is loaded or any file is written.
+        ConfigError: on bad input, before any model is loaded or any file is written (but the output folder's lock,
+            removed again).
+        RewardError: when a reward fails during training (:mod:`colocate_grpo.rewards`).
     """
     started = time.perf_counter()
     if not isinstance(config, Config):
