@@ -97,6 +97,13 @@ class DatasetConfig:
         default=None, metadata={"help": "If set, prompts become chat messages with this system message."}
     )
     chat: bool = field(default=True, metadata={"help": "Send prompts as chat messages (needs a chat template)."})
+    skip_empty_prompts: bool = field(
+        default=False,
+        metadata={
+            "help": "Leave out empty or blank prompts, with a warning that counts them; without it they are "
+            "refused before the model loads, by row number (vLLM cannot generate from an empty prompt)."
+        },
+    )
 
 
 @dataclass
@@ -108,6 +115,13 @@ class Config:
         metadata={"help": "Model directory or hub id; `tiny` builds a 0.3M-parameter model locally (CPU demo)."},
     )
     output_dir: str = field(default="outputs/run", metadata={"help": "Where adapter, config and metrics go."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds an earlier run: its checkpoint-N folders and "
+            "metrics.jsonl are deleted first (without it such a run is refused; see docs/output-folder.md)."
+        },
+    )
     device: Literal["auto", "cpu", "cuda"] = field(
         default="auto", metadata={"help": "auto picks cuda when available, else cpu."}
     )

@@ -16,6 +16,8 @@ import psutil
 import torch
 from transformers import TrainerCallback
 
+from colocate_grpo.metrics_file import append_line
+
 GIB = 2**30
 # Phases timed explicitly; "train" is the rest of the step (scoring, logprobs, forward, backward, optimizer).
 ENGINE_PHASES = ("wake", "sync", "generate", "sleep")
@@ -44,9 +46,7 @@ class MetricsLog(TrainerCallback):
         values = {k: v for k, v in logs.items() if isinstance(v, int | float | str)}
         event = {"step": state.global_step, **self.context, **values}
         self.history.append(event)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
-            f.write(json.dumps(event) + "\n")
+        append_line(self.path, json.dumps(event))  # one write of the whole line: a kill leaves no torn record
 
     def series(self, key: str) -> list[tuple[int, float]]:
         """(step, value) pairs of one metric, in order, skipping missing and NaN values."""

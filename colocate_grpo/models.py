@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from colocate_grpo.config import Config, ConfigError
 from colocate_grpo.plan import RunPlan, Serving
+from colocate_grpo.prompts import drop_or_refuse_empty_prompts
 from colocate_grpo.tasks import arithmetic_dataset
 from colocate_grpo.tiny import TINY_MODEL_NAME, tiny_model_path
 
@@ -123,6 +124,7 @@ def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset
         )
     if config.num_prompts is not None:
         dataset = dataset.select(range(min(config.num_prompts, len(dataset))))
+    dataset = drop_or_refuse_empty_prompts(dataset, spec)
 
     def to_prompt(row: dict) -> dict:
         question = row[spec.prompt_column]
@@ -207,8 +209,9 @@ def load_model(config: Config, plan: RunPlan, path: str) -> PreTrainedModel:
 def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int = 2) -> None:
     """Call each reward on the first prompts with empty completions, as TRL will, and check its answer.
 
-    A reward that raises, or answers with NaN, None or the wrong number of scores, would otherwise
-    stop the run after the model and the engine have loaded, with a traceback.
+    A reward that raises, or answers with NaN, a non-number or the wrong number of scores, would otherwise
+    stop the run after the model and the engine have loaded. None is a score TRL allows (a reward that does
+    not apply to a sample); :mod:`colocate_grpo.rewards` counts them during the run.
     """
     rows = dataset.select(range(min(samples, len(dataset))))
     prompts = rows["prompt"]
@@ -230,11 +233,11 @@ def check_rewards_run(rewards: list[RewardFunc], dataset: Dataset, samples: int 
                 f"Reward '{name}' returned {count} scores for {len(prompts)} completions: it must return a list "
                 "with one float per completion."
             )
-        bad = [s for s in scores if not isinstance(s, int | float) or math.isnan(s)]
+        bad = [s for s in scores if s is not None and (not isinstance(s, int | float) or math.isnan(s))]
         if bad:
             raise ConfigError(
-                f"Reward '{name}' returned {bad[0]!r} for an empty completion: every score must be a number "
-                "(not NaN or None); give 0.0 to completions that earn nothing."
+                f"Reward '{name}' returned {bad[0]!r} for an empty completion: every score must be a number (not "
+                "NaN), or None for a sample the reward does not apply to; give 0.0 to completions that earn nothing."
             )
 
 

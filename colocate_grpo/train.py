@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from transformers.trainer_callback import ProgressCallback
 
+from colocate_grpo.checkpoints import resume_point
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.memory_plan import (
@@ -31,7 +32,9 @@ from colocate_grpo.memory_plan import (
     refusal,
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
+from colocate_grpo.output_dir import check_output_dir
 from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
+from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
 
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
@@ -95,28 +98,13 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
 
 
 def resume_checkpoint(config: Config) -> str | None:
-    """The checkpoint folder ``resume_from_checkpoint`` names (``latest``: the newest in output_dir).
+    """The checkpoint folder ``resume_from_checkpoint`` names (``latest``: the newest complete one in output_dir).
 
     Raises:
-        ConfigError: when it names no checkpoint.
+        ConfigError: when it names no checkpoint, or an incomplete, damaged or incompatible one.
     """
-    wanted = config.resume_from_checkpoint
-    if wanted is None:
-        return None
-    if wanted == "latest":
-        found = sorted(Path(config.output_dir).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-        if not found:
-            raise ConfigError(
-                f"'resume_from_checkpoint: latest' but {config.output_dir} has no checkpoint-N folder. Set save_steps "
-                "to write checkpoints, or remove resume_from_checkpoint to start afresh."
-            )
-        return str(found[-1])
-    if not (Path(wanted) / "trainer_state.json").is_file():
-        raise ConfigError(
-            f"'resume_from_checkpoint: {wanted}' is not a checkpoint folder (no trainer_state.json there). Give a "
-            "checkpoint-N folder from an earlier run's output_dir, or 'latest'."
-        )
-    return wanted
+    point = resume_point(config)
+    return None if point is None else str(point.folder)
 
 
 class _RewardProgress(ProgressCallback):
@@ -263,20 +251,26 @@ def train(
         dashboard: show the live dashboard in the notebook cell that runs this (needs ipywidgets).
 
     Raises:
-        ConfigError: on bad input, before any model is loaded or any file is written.
+        ConfigError: on bad input, before any model is loaded or any file is written (but the output folder's lock,
+            removed again).
+        RewardError: when a reward fails during training (:mod:`colocate_grpo.rewards`).
     """
     started = time.perf_counter()
     if not isinstance(config, Config):
         config = load_config(default_config_path() if config is None else config)
-    checkpoint = resume_checkpoint(config)
+    run_folder = check_output_dir(config)  # refusals before anything loads; holds the folder's lock to the end
+    checkpoint = run_folder.checkpoint
     live = LiveDashboard() if dashboard else None  # on screen at once, while the model and the engine load
-    trainer = build_trainer(config, callbacks)
+    try:
+        trainer = build_trainer(config, callbacks)
+    except BaseException:
+        run_folder.release()
+        raise
     metrics = trainer.metrics
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_main_process():
-        if checkpoint is None:
-            metrics.path.unlink(missing_ok=True)  # a fresh run; a resumed one appends
+        run_folder.begin(metrics.path)  # a fresh run's metrics start empty; a resumed one's end at its checkpoint
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         (output_dir / "plan.yaml").write_text(yaml.safe_dump(trainer.plan.to_dict(), sort_keys=False))
     if plots:
@@ -294,6 +288,7 @@ def train(
     finally:
         # Asleep, not closed: the next train() in this process reuses the engine (see shared_engine).
         trainer.engine.sleep()
+        run_folder.release()
     start, end = first_and_last_tenth([v for _, v in metrics.series(REWARD_KEY)])
     return TrainResult(output_dir, metrics, start, end, time.perf_counter() - started)
 
@@ -317,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(options.config or default_config_path())
         if options.check:
             check_inputs(config)
+            check_output_dir(config, claim=False)
             print(f"{options.config or DEFAULT_CONFIG}: OK")
             return 0
         result = train(config, plots=True)
@@ -325,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DeviceMemoryError as err:
         print(f"colocate_grpo: out of memory: {err}", file=sys.stderr)
+        return 1
+    except RewardError as err:
+        print(f"colocate_grpo: reward error: {err}", file=sys.stderr)
         return 1
     if is_main_process():  # the other ranks trained the same run; rank 0 logged it
         print(summary(result.metrics.history))

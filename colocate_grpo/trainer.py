@@ -24,6 +24,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
+from colocate_grpo.checkpoints import save_checkpoint
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.head import add_fp32_head
@@ -31,6 +32,7 @@ from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
 from colocate_grpo.plan import RunPlan, Serving, plan_for_model
 from colocate_grpo.quantized import served_code_mismatches
+from colocate_grpo.rewards import calculate_rewards
 from colocate_grpo.shared_base import share_base_weights
 from colocate_grpo.sync import MergedInPlace, merge_into_shared_base, push_weights, served_weight_mismatches
 
@@ -377,6 +379,14 @@ class ColocateGRPOTrainer(GRPOTrainer):
         for key in {key for rank in ranks for key in rank}:
             reduce = next(r for part, r in reductions.items() if part in key)
             metrics[key] = [reduce(rank[key] for rank in ranks if key in rank)]
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
+        # A failing reward named with its sample; None/NaN scores counted (colocate_grpo.rewards).
+        return calculate_rewards(self, super()._calculate_rewards, inputs, prompts, completions, completion_ids_list)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # transformers' checkpoint, then its manifest: complete, or plainly not (colocate_grpo.checkpoints).
+        save_checkpoint(self, trial, functools.partial(super()._save_checkpoint, model, trial))
 
     def _record_metrics(self, metrics: dict[str, float]) -> None:
         """Add values to TRL's metrics: averaged into the next log, then written to every logger."""

@@ -221,7 +221,6 @@ def too_few(completions, **kwargs):
     [
         ("raises", "raised KeyError: 'answer'"),
         ("nan", "returned nan for an empty completion"),
-        ("none", "returned None for an empty completion"),
         ("too_few", "returned 1 scores for 2 completions"),
     ],
 )
@@ -232,6 +231,18 @@ def test_cli_bad_reward_functions_exit_2_before_training(tmp_path, reward, fragm
     assert result.returncode == 2, result.stderr
     assert fragment in result.stderr and f"my_rewards.{reward}" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_reward_may_return_none_for_a_sample_it_does_not_apply_to():
+    """TRL counts None as not scored by that reward (colocate_grpo.rewards counts them during the run)."""
+    from datasets import Dataset
+
+    from colocate_grpo.models import check_rewards_run
+
+    def judge_long_answers_only(completions, **kwargs):
+        return [None for _ in completions]
+
+    check_rewards_run([judge_long_answers_only], Dataset.from_dict({"prompt": ["1+1=", "2+2="]}))
 
 
 def local_dataset(tmp_path) -> str:
