@@ -11,7 +11,7 @@ from vllm import SamplingParams
 import colocate_grpo.sync as sync
 import colocate_grpo.trainer as trainer_module
 from colocate_grpo.config import load_config
-from colocate_grpo.engine import EngineStateError, Weights
+from colocate_grpo.engine import EngineStateError, Weights, parameter_views
 from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.sync import merged_named_weights, push_weights, served_weight_mismatches
 from colocate_grpo.train import build_trainer, default_config_path
@@ -109,16 +109,16 @@ def test_a_merged_push_into_a_shared_base_is_refused(tmp_path):
 
 def test_parameter_views_place_each_tensor_in_the_engines_fused_parameters(trainer):
     shapes = {name: tuple(t.shape) for name, t in merged_named_weights(trainer.model)}
-    views = trainer.engine.parameter_views(shapes)
+    views = parameter_views(trainer.engine.model, shapes)
     assert views is not None and set(views) == set(shapes)
     rows = {p: views[f"model.layers.0.self_attn.{p}_proj.weight"].rows for p in "qkv"}
     for first, second in [("q", "k"), ("k", "v")]:  # consecutive rows of one qkv_proj, in packed order
         end = rows[first].data_ptr() + rows[first].numel() * rows[first].element_size()
         assert rows[second].data_ptr() == end
-    assert trainer.engine.parameter_views({"model.layers.0.nonexistent.weight": (4, 4)}) is None
+    assert parameter_views(trainer.engine.model, {"model.layers.0.nonexistent.weight": (4, 4)}) is None
     q_shape = shapes["model.layers.0.self_attn.q_proj.weight"]
     wrong = {**shapes, "model.layers.0.self_attn.q_proj.weight": (q_shape[0], q_shape[1] + 1)}
-    assert trainer.engine.parameter_views(wrong) is None
+    assert parameter_views(trainer.engine.model, wrong) is None
 
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM computes with written weights on GPUs only")
