@@ -306,9 +306,9 @@ def load_config(source: str | Path | dict[str, Any] | None = None) -> Config:
     problems = Problems()
     translation = translate(raw)
     problems.found.extend(translation.problems)
-    if translation.moved:
+    if translation.summary():
         logging.getLogger("colocate_grpo").warning(
-            "Read as colocate_grpo keys (docs/migrating.md): %s.", "; ".join(translation.moved)
+            "Read as colocate_grpo's keys (docs/migrating.md): %s.", translation.summary()
         )
     config = _build(Config, translation.raw, "", problems, suggestions())
     problems.found.extend(config_problems(config))

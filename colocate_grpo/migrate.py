@@ -87,12 +87,18 @@ def _adapter_for_full_finetuning(value: Any) -> Any:
     return None if value else "lora"
 
 
-def _device_for_use_cpu(value: Any) -> Any:
-    if value is True:
-        return "cpu"
-    if value is False:
-        return "auto"
+def _placed(key: str, value: Any) -> Any:
+    """A GRPOConfig field's value as its key of ours takes it (use_cpu: true is device: cpu)."""
+    if key == "use_cpu" and isinstance(value, bool):
+        return "cpu" if value else "auto"
     return value
+
+
+def _warmup_ratio(value: Any) -> Any:
+    # transformers 5 took warmup_ratio into warmup_steps: a float below 1 there is the share of the run.
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1:
+        return float(value)
+    raise _Refused("a warmup ratio is a share of the run, in [0, 1): give one, or trl.warmup_steps as a step count.")
 
 
 def _attention(implementation: str) -> Callable[[Any], Any]:
@@ -195,6 +201,8 @@ FOREIGN_KEYS: dict[str, _Rule] = {
         ]
     },
     "dataset_mixture": _refused("open-r1's dataset mixtures are not read: one dataset, in a dataset: block."),
+    # transformers 4's TrainingArguments (TRL, open-r1, Unsloth and Axolotl write it).
+    "warmup_ratio": _to("trl.warmup_steps", _warmup_ratio),
     # Axolotl.
     "rl": _dropped_if(("grpo",), "only GRPO is trained here."),
     "num_epochs": _to("trl.num_train_epochs"),
@@ -279,7 +287,17 @@ class Translation:
 
     raw: dict[str, Any]
     moved: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """What was read how, in one line (empty when nothing was)."""
+        parts = []
+        if self.moved:
+            parts.append("moved " + ", ".join(self.moved))
+        if self.dropped:
+            parts.append("dropped as what a run does anyway " + ", ".join(self.dropped))
+        return "; ".join(parts)
 
 
 def _grpo_fields() -> dict[str, Any]:
@@ -328,9 +346,11 @@ def translate(raw: dict[str, Any]) -> Translation:
         elif key in FOREIGN_KEYS:
             dataset_mapped |= _apply(key, value, FOREIGN_KEYS[key], result)
         elif key in ("bf16", "fp16", "tf32") and value in ("auto", None):
-            result.moved.append(f"{key}: {value} -> dropped (the precision follows the device)")
+            result.dropped.append(f"{key}: {value} (the precision follows the device)")
         elif key in TRL_KEYS_WITH_A_PLACE:
-            _put(result, TRL_KEYS_WITH_A_PLACE[key], value, key, converted=_device_for_use_cpu(value))
+            _put(result, TRL_KEYS_WITH_A_PLACE[key], value, key, converted=_placed(key, value))
+        elif key in OWN_TRL_KEYS:  # reward_funcs at the top level, as TRL's CLI takes it
+            _put(result, f"trl.{key}", value, key)
         elif key in grpo:
             if value is None and grpo[key] is not None:
                 result.problems.append(
@@ -359,7 +379,7 @@ def _apply(key: str, value: Any, rule: _Rule, result: Translation) -> bool:
         result.problems.append(f"'{key}: {value}' is not supported: {refused}")
         return False
     if rule.target is None or converted is _DROP:
-        result.moved.append(f"{key} -> dropped" + (f" ({rule.note})" if rule.note else ""))
+        result.dropped.append(key + (f" ({rule.note})" if rule.note else ""))
         return False
     _put(result, rule.target, value, key, converted=converted)
     return rule.target.startswith("dataset.")
@@ -389,7 +409,7 @@ def _trl_block(trl: dict[str, Any], result: Translation, grpo: dict[str, Any], o
     for key in list(trl):
         if key in TRL_KEYS_WITH_A_PLACE:
             value = trl.pop(key)
-            _put(result, TRL_KEYS_WITH_A_PLACE[key], value, f"trl.{key}", converted=_device_for_use_cpu(value))
+            _put(result, TRL_KEYS_WITH_A_PLACE[key], value, f"trl.{key}", converted=_placed(key, value))
         elif key in ours and key not in grpo and key not in OWN_TRL_KEYS:
             _put(result, key, trl.pop(key), f"trl.{key}")  # a top-level key of ours written in trl:
         elif key in _AXOLOTL_TRL_KEYS and key not in grpo:

@@ -377,7 +377,7 @@ def _check_report_to(report_to: Any, problems: Problems) -> None:
             continue
         if name not in known:
             problems.add(
-                f"'trl.report_to: {name}' is not a tracker transformers knows.{did_you_mean(name, known)} "
+                f"'trl.report_to: {name}' is not a tracker transformers knows.{did_you_mean(name, list(known))} "
                 f"Known: {', '.join(known)}."
             )
             continue
