@@ -195,13 +195,22 @@ def check_inputs(config: Config) -> RunInputs:
     problems.raise_if_any()
     models.check_rewards_match_dataset(rewards, dataset)
     models.check_rewards_run(rewards, dataset)
+    shape = model_shape(path, args.trust_remote_code)
+    if config.vllm.max_model_len and shape.context and config.vllm.max_model_len > shape.context:
+        # vLLM refuses a budget beyond the model's positions, once the engine starts; the derived one is capped.
+        raise ConfigError(
+            f"'vllm.max_model_len: {config.vllm.max_model_len}' is above the context of {config.base_model} "
+            f"({shape.context} tokens, its max_position_embeddings), which vLLM refuses: lower it to at most "
+            f"{shape.context}, or remove it (the run's budget is then max_prompt_length + max_completion_length, "
+            "capped at the context)."
+        )
     plan = plan_run(
         config,
         args,
         model_path=path,
         device=device,
         dtype=dtype,
-        shape=model_shape(path, args.trust_remote_code),
+        shape=shape,
         longest_prompt=longest_prompt,
         memory=read_device_memory() if device == "cuda" else None,
     )

@@ -197,7 +197,7 @@ def unsloth_arguments(data: Path, out: Path, rewards: str) -> dict:
     return {
         # FastLanguageModel.from_pretrained(...)
         "model_name": "tiny",
-        "max_seq_length": 96,
+        "max_seq_length": 64,  # the tiny model's context
         "load_in_4bit": False,
         "fast_inference": True,
         "max_lora_rank": 8,
@@ -222,7 +222,7 @@ def unsloth_arguments(data: Path, out: Path, rewards: str) -> dict:
         "per_device_train_batch_size": 8,
         "gradient_accumulation_steps": 1,
         "num_generations": 4,
-        "max_prompt_length": 64,
+        "max_prompt_length": 32,
         "max_completion_length": 4,
         "max_steps": 2,
         "save_steps": 250,
@@ -283,7 +283,7 @@ def test_the_mapping_of_each_source(tmp_path):
     assert flat.vllm.gpu_memory_utilization == 0.3 and flat.lora_target_linear is True
     unsloth = load_config(unsloth_arguments(data, out, "r"))
     assert unsloth.lora_r == 8 and unsloth.seed == 3407 and unsloth.gradient_checkpointing is True
-    assert unsloth.vllm.max_model_len == 96 and unsloth.vllm.gpu_memory_utilization == 0.5
+    assert unsloth.vllm.max_model_len == 64 and unsloth.vllm.gpu_memory_utilization == 0.5
     args = grpo_args(unsloth, "cpu", torch.bfloat16)
     assert args.optim == "adamw_torch" and args.max_grad_norm == 0.1 and args.lr_scheduler_type == "cosine"
 
@@ -480,6 +480,10 @@ def test_model_init_kwargs_attention_reaches_the_model():
         ("base_model: not a hub id!\n", ["'base_model: not a hub id!'", "valid hub id"]),
         ("trl:\n  max_completion_length:\n", ["'trl.max_completion_length' is empty", "TRL's default"]),
         ("lora_r:\n", ["'lora_r' is empty", "an integer"]),
+        (
+            "max_prompt_length: 16\ntrl:\n  max_completion_length: 4\nvllm:\n  max_model_len: 96\n",
+            ["'vllm.max_model_len: 96' is above the context of tiny (64 tokens"],
+        ),
     ],
 )
 def test_unloadable_models_and_empty_values_exit_2(tmp_path, capsys, text, fragments):
