@@ -96,7 +96,7 @@ def _check_hub_model(repo_id: str) -> None:
             f"{key}: the hub has no such model (a typo, or a private model: log in with hf auth login)."
             f"{did_you_mean(repo_id, cached_models())}"
         ) from None
-    except (OSError, ValueError) as err:  # not cached, and the hub cannot be reached (offline, no network)
+    except Exception as err:  # not cached, and the hub cannot be reached (offline, no network, a hub error)
         cached = cached_models()
         raise ConfigError(
             f"{key} is not in the local Hugging Face cache and the hub cannot be reached ({type(err).__name__}). "
