@@ -8,10 +8,13 @@ and the fix; the CLI turns it into exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import logging
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,7 +24,46 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A configuration problem, with a message that names the key and the fix."""
+    """A configuration problem, with a message that names the key and the fix.
+
+    Several problems found in one pass are one error whose message lists each on its own line;
+    ``problems`` holds them one by one.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+    @classmethod
+    def of(cls, problems: list[str]) -> ConfigError:
+        """One error for ``problems`` (at least one): the message itself, or a count and one problem a line."""
+        unique = list(dict.fromkeys(problems))
+        if len(unique) == 1:
+            return cls(unique[0])
+        lines = "\n".join(f"- {problem}" for problem in unique)
+        return cls(f"{len(unique)} problems, each with its fix:\n{lines}", unique)
+
+
+class Problems:
+    """Collects every problem of one pass, so that a config's user fixes them all after one run."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.found.append(message)
+
+    @contextlib.contextmanager
+    def catch(self) -> Iterator[None]:
+        """Record a ConfigError raised inside the block (its problems) and go on after the block."""
+        try:
+            yield
+        except ConfigError as err:
+            self.found.extend(err.problems)
+
+    def raise_if_any(self) -> None:
+        if self.found:
+            raise ConfigError.of(self.found)
 
 
 @dataclass
@@ -89,9 +131,18 @@ class DatasetConfig:
     path: str = field(metadata={"help": "Hub id (e.g. openai/gsm8k) or a local directory / data file."})
     name: str | None = field(default=None, metadata={"help": "Dataset configuration name (e.g. main)."})
     split: str = field(default="train", metadata={"help": "Split to train on."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Column holding the question text."})
+    prompt_column: str = field(
+        default="prompt",
+        metadata={
+            "help": "Column holding the prompt: text, or chat messages (TRL's conversational format, used as is)."
+        },
+    )
     answer_column: str | None = field(
-        default=None, metadata={"help": "Column holding the reference answer, passed to rewards as `answer`."}
+        default=None,
+        metadata={
+            "help": "Column holding the reference answer, passed to rewards also as `answer` (every column reaches "
+            "the rewards under its own name, with its own type)."
+        },
     )
     system_prompt: str | None = field(
         default=None, metadata={"help": "If set, prompts become chat messages with this system message."}
@@ -141,7 +192,8 @@ class Config:
     lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
     lora_target_linear: bool = field(default=True, metadata={"help": "Put LoRA on every linear layer but the head."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt (instead of lora_target_linear)."}
+        default=None,
+        metadata={"help": "Module names to adapt (instead of lora_target_linear, which then defaults to false)."},
     )
     lora_merge_aware: Literal["auto", "bf16", "fp16"] | None = field(
         default="auto",
@@ -171,7 +223,10 @@ class Config:
     )
 
     learning_rate: float = field(default=1e-5, metadata={"help": "Peak learning rate."})
-    max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
+    max_steps: int = field(
+        default=100,
+        metadata={"help": "Optimizer steps; -1 trains for trl.num_train_epochs of the dataset (TRL's way)."},
+    )
     micro_batch_size: int = field(
         default=8, metadata={"help": "Completions per device per forward pass (TRL's per_device_train_batch_size)."}
     )
@@ -241,8 +296,11 @@ def load_config(source: str | Path | dict[str, Any] | None = None) -> Config:
     """Read and validate a config from a YAML path, the name of a packaged config (``packaged_configs``), a YAML
     string, a dict, or nothing (the defaults).
 
+    A config written for Axolotl, TRL, open-r1 or Unsloth is read as one of ours where the keys map exactly
+    (:mod:`colocate_grpo.migrate`; what was moved is logged as a warning).
+
     Raises:
-        ConfigError: on any problem, with a message that names the key and the fix.
+        ConfigError: on any problem, with a message that names the key and the fix; every problem at once.
     """
     if source is None:
         raw: Any = {}
@@ -254,11 +312,21 @@ def load_config(source: str | Path | dict[str, Any] | None = None) -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"The config must be a mapping of keys to values, got a {type(raw).__name__}.")
-    config = _build(Config, raw, prefix="")
-    # The checks read Config's fields and this module's coercion: imported here, where both are defined.
-    from colocate_grpo.validation import check_config
+    # The migration and the checks read Config's fields and this module's coercion: imported here, where both are
+    # defined.
+    from colocate_grpo.migrate import suggestions, translate
+    from colocate_grpo.validation import config_problems
 
-    check_config(config)
+    problems = Problems()
+    translation = translate(raw)
+    problems.found.extend(translation.problems)
+    if translation.summary():
+        logging.getLogger("colocate_grpo").warning(
+            "Read as colocate_grpo's keys (docs/migrating.md): %s.", translation.summary()
+        )
+    config = _build(Config, translation.raw, "", problems, suggestions())
+    problems.found.extend(config_problems(config))
+    problems.raise_if_any()
     return config
 
 
@@ -295,33 +363,61 @@ def _read_yaml(source: str | Path) -> Any:
         ) from None
 
 
-def did_you_mean(key: str, known: typing.Iterable[str]) -> str:
-    """A "Did you mean ...?" sentence for the known name closest to ``key``, or nothing."""
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
+def did_you_mean(key: str, known: typing.Iterable[str] | dict[str, str]) -> str:
+    """A "Did you mean ...?" sentence for the known name closest to ``key``, or nothing.
+
+    ``known`` may map each name to how the sentence should spell it (e.g. a TRL field as ``trl.<name>``).
+    """
+    spelled = known if isinstance(known, dict) else {name: name for name in known}
+    close = difflib.get_close_matches(key, list(spelled), n=1, cutoff=0.6)
+    return f" Did you mean '{spelled[close[0]]}'?" if close else ""
 
 
-def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+def _build(
+    cls: type, raw: dict[str, Any], prefix: str, problems: Problems, elsewhere: dict[str, str] | None = None
+) -> Any:
+    """``cls`` from ``raw``; each unknown key, bad value and missing key is added to ``problems``, and the field
+    keeps its default so that the other checks still run. ``elsewhere`` spells names known outside ``cls``
+    (did-you-means for keys that belong in another block)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    spelled = {**(elsewhere or {}), **{name: prefix + name for name in fields}}
     for key in raw:
         if key not in fields:
-            raise ConfigError(
-                f"Unknown key '{prefix}{key}'.{did_you_mean(str(key), fields)} "
+            problems.add(
+                f"Unknown key '{prefix}{key}'.{did_you_mean(str(key), spelled)} "
                 f"Known keys here: {', '.join(sorted(fields))}."
             )
     values = {}
     for name, f in fields.items():
         if name in raw:
-            values[name] = coerce_value(raw[name], hints[name], f"{prefix}{name}")
+            with problems.catch():
+                values[name] = coerce_value(raw[name], hints[name], f"{prefix}{name}", problems)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"Missing required key '{prefix}{name}': {f.metadata.get('help', '')}")
+            problems.add(f"Missing required key '{prefix}{name}': {f.metadata.get('help', '')}")
+            values[name] = ""  # a placeholder: the error above is raised before anything reads it
     return cls(**values)
 
 
+def _allows_none(tp: Any) -> bool:
+    if tp is Any or tp is type(None):
+        return True
+    origin = typing.get_origin(tp)
+    return origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
 def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
         return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a block of key: value lines"
     if isinstance(tp, type):
         return {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}.get(
             tp.__name__, tp.__name__
@@ -329,9 +425,16 @@ def _type_name(tp: Any) -> str:
     return str(tp)
 
 
-def coerce_value(value: Any, tp: Any, key: str) -> Any:
-    """``value`` as type ``tp`` (a YAML scalar, list, mapping or config block), or a ConfigError naming ``key``."""
+def coerce_value(value: Any, tp: Any, key: str, problems: Problems | None = None) -> Any:
+    """``value`` as type ``tp`` (a YAML scalar, list, mapping or config block), or a ConfigError naming ``key``.
+
+    A config block's own problems go to ``problems`` where given (all of them), else the first is raised.
+    """
     origin = typing.get_origin(tp)
+    if value is None and not _allows_none(tp):
+        raise ConfigError(
+            f"'{key}' is empty (the key has no value): give {_type_name(tp)}, or remove the line to keep the default."
+        )
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
@@ -372,7 +475,11 @@ def coerce_value(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"'{key}' must be a block of key: value lines, got {value!r}.")
-        return _build(tp, value, prefix=f"{key}.")
+        own = Problems() if problems is None else problems
+        built = _build(tp, value, f"{key}.", own)
+        if problems is None:
+            own.raise_if_any()
+        return built
     return _coerce_scalar(value, tp, key)
 
 

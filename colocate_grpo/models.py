@@ -10,6 +10,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from colocate_grpo.config import Config, ConfigError
+from colocate_grpo.config import Config, ConfigError, DatasetConfig, Problems, did_you_mean
 from colocate_grpo.plan import RunPlan, Serving
 from colocate_grpo.prompts import drop_or_refuse_empty_prompts
 from colocate_grpo.tasks import arithmetic_dataset
@@ -53,7 +54,13 @@ def training_dtype(device: str) -> torch.dtype:
 
 
 def model_path(config: Config) -> str:
-    """The base model's directory or hub id; builds the tiny model on first use."""
+    """The base model's directory or hub id; builds the tiny model on first use.
+
+    Raises:
+        ConfigError: naming ``base_model`` when it is no model folder, no valid hub id, a model the hub does not
+            have (a typo, or private), a gated one, or one that is not in the local cache while the hub cannot be
+            reached.
+    """
     if config.base_model == TINY_MODEL_NAME:
         return str(tiny_model_path())
     looks_local = config.base_model.startswith((".", "/", "~")) or Path(config.base_model).exists()
@@ -62,37 +69,127 @@ def model_path(config: Config) -> str:
             f"'base_model: {config.base_model}' is not a model directory (no config.json there). "
             "Give a Hugging Face model folder, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny'."
         )
-    return str(Path(config.base_model).expanduser()) if looks_local else config.base_model
+    if looks_local:
+        return str(Path(config.base_model).expanduser())
+    _check_hub_model(config.base_model)
+    return config.base_model
+
+
+def _check_hub_model(repo_id: str) -> None:
+    """Refuse a hub id whose config cannot be had (from the cache, or the hub where it can be reached)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    key = f"'base_model: {repo_id}'"
+    try:
+        hf_hub_download(repo_id, "config.json")
+    except HFValidationError:
+        raise ConfigError(
+            f"{key} is neither a model folder here nor a valid hub id (owner/name). Give a model folder, a hub id "
+            "such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny'."
+        ) from None
+    except GatedRepoError:
+        raise ConfigError(
+            f"{key} is a gated model: accept its licence on its hub page, then log in (hf auth login) or set HF_TOKEN."
+        ) from None
+    except RepositoryNotFoundError:
+        raise ConfigError(
+            f"{key}: the hub has no such model (a typo, or a private model: log in with hf auth login)."
+            f"{did_you_mean(repo_id, cached_models())}"
+        ) from None
+    except Exception as err:  # not cached, and the hub cannot be reached (offline, no network, a hub error)
+        cached = cached_models()
+        raise ConfigError(
+            f"{key} is not in the local Hugging Face cache and the hub cannot be reached ({type(err).__name__}). "
+            f"Download it where there is network (hf download {repo_id}) or give a local model folder."
+            + (did_you_mean(repo_id, cached) or (f" Models in the cache: {', '.join(cached)}." if cached else ""))
+        ) from None
+
+
+def cached_models() -> list[str]:
+    """Hub ids of the models in the local Hugging Face cache (empty when there is none)."""
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        return sorted(repo.repo_id for repo in scan_cache_dir().repos if repo.repo_type == "model")
+    except Exception:  # no cache folder yet, or one being written: nothing to suggest
+        return []
 
 
 def resolve_rewards(config: Config) -> list[RewardFunc]:
-    """Import each ``trl.reward_funcs`` entry (``package.module.function``)."""
-    rewards = []
+    """Import each ``trl.reward_funcs`` entry (``package.module.function``).
+
+    Raises:
+        ConfigError: listing every entry that cannot be imported, with the error and where it was raised.
+    """
+    rewards, problems = [], Problems()
     for dotted in config.reward_funcs:
-        module_name, _, attr = dotted.rpartition(".")
-        try:
-            func = getattr(importlib.import_module(module_name), attr) if module_name else None
-        except ImportError as err:
-            raise ConfigError(
-                f"'trl.reward_funcs' entry '{dotted}': cannot import module '{module_name}' ({err}). "
-                "Give a dotted path importable from the working directory, e.g. my_rewards.correctness."
-            ) from None
-        except AttributeError:
-            func = None
-        if not callable(func):
-            raise ConfigError(
-                f"'trl.reward_funcs' entry '{dotted}' is not a function. "
-                "Give module.function, e.g. colocate_grpo.tasks.accuracy_reward."
-            )
-        rewards.append(func)
+        with problems.catch():
+            rewards.append(_import_reward(dotted))
+    problems.raise_if_any()
     return rewards
 
 
+def _import_reward(dotted: str) -> RewardFunc:
+    module_name, _, attr = dotted.rpartition(".")
+    key = f"'trl.reward_funcs' entry '{dotted}'"
+    try:
+        func = getattr(importlib.import_module(module_name), attr) if module_name else None
+    except ModuleNotFoundError as err:
+        if err.name and not module_name.startswith(err.name) and not err.name.startswith(module_name):
+            raise ConfigError(
+                f"{key}: importing '{module_name}' needs '{err.name}', which is not installed"
+                f"{_where(err)}. Install it (pip install {err.name.split('.')[0]})."
+            ) from None
+        raise ConfigError(
+            f"{key}: cannot import module '{module_name}' ({err}). "
+            "Give a dotted path importable from the working directory, e.g. my_rewards.correctness."
+        ) from None
+    except SyntaxError as err:
+        raise ConfigError(
+            f"{key}: '{module_name}' has a syntax error at {Path(err.filename or '?').name}, line {err.lineno}: "
+            f"{err.msg}. Fix the module."
+        ) from None
+    except AttributeError:
+        func = None
+    except Exception as err:  # the user's module raised while importing: any exception means it cannot load
+        raise ConfigError(
+            f"{key}: importing '{module_name}' raised {type(err).__name__}: {err}{_where(err)}. Fix the module."
+        ) from None
+    if not callable(func):
+        raise ConfigError(f"{key} is not a function. Give module.function, e.g. colocate_grpo.tasks.accuracy_reward.")
+    return func
+
+
+def _where(err: BaseException) -> str:
+    """`` (file.py, line N)`` for the innermost frame of ``err``'s traceback, or nothing."""
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename]
+    if not user:
+        return ""
+    return f" ({Path(user[-1].filename).name}, line {user[-1].lineno})"
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    """The model's tokenizer, with eos as its pad token when it has none.
+
+    Raises:
+        ConfigError: naming ``base_model`` when the folder or hub snapshot has no loadable tokenizer.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"'base_model: {path}': its tokenizer could not be loaded ({type(err).__name__}: {_first_line(err)}). "
+            "Give a model folder with its tokenizer files, or a hub id in the local cache."
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
 
 
 def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset:
@@ -125,21 +222,76 @@ def build_dataset(config: Config, tokenizer: PreTrainedTokenizerBase) -> Dataset
     if config.num_prompts is not None:
         dataset = dataset.select(range(min(config.num_prompts, len(dataset))))
     dataset = drop_or_refuse_empty_prompts(dataset, spec)
+    conversational = _prompts_are_messages(dataset[spec.prompt_column], spec)
+    answer_alias = spec.answer_column not in (None, "answer")
+    if answer_alias and "answer" in dataset.column_names:
+        raise ConfigError(
+            f"'dataset.answer_column: {spec.answer_column}' would be passed to rewards as 'answer', but {spec.path} "
+            "has an 'answer' column already. Rewards get every column under its own name: remove "
+            "'dataset.answer_column' and read the column you need by its name."
+        )
 
     def to_prompt(row: dict) -> dict:
         question = row[spec.prompt_column]
-        if not spec.chat:
+        system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
+        if conversational:  # TRL's conversational format: the messages are the prompt
+            prompt = [*system, *question]
+        elif not spec.chat:
             prompt = f"{spec.system_prompt}\n\n{question}" if spec.system_prompt else question
         else:
-            system = [{"role": "system", "content": spec.system_prompt}] if spec.system_prompt else []
             prompt = [*system, {"role": "user", "content": question}]
         out = {"prompt": prompt}
-        if spec.answer_column is not None:
-            out["answer"] = str(row[spec.answer_column])
+        if answer_alias:  # also under its own name, with its own type, as TRL passes every column
+            out["answer"] = row[spec.answer_column]
         return out
 
-    keep = {"prompt", "answer"}
-    return dataset.map(to_prompt, remove_columns=[c for c in dataset.column_names if c not in keep])
+    # Every column stays: TRL passes each (but the prompt) to the rewards as a keyword argument.
+    return dataset.map(to_prompt)
+
+
+def _prompts_are_messages(prompts: list, spec: DatasetConfig) -> bool:
+    """Whether the prompt column holds chat messages (TRL's conversational format) rather than text.
+
+    Raises:
+        ConfigError: for any other value (a number, a mapping, a list that is not role/content messages, nothing),
+            for messages with ``dataset.chat: false``, and for messages that carry a system message of their own
+            beside ``dataset.system_prompt``.
+    """
+    key = f"'dataset.prompt_column: {spec.prompt_column}'"
+    kinds = [_prompt_kind(prompt) for prompt in prompts]
+    for index, (prompt, kind) in enumerate(zip(prompts, kinds, strict=True)):
+        if kind is None:
+            raise ConfigError(
+                f"{key}: row {index} holds {type(prompt).__name__} {str(prompt)[:80]!r}; a prompt must be text, or "
+                "a list of chat messages ({role, content}) as TRL's conversational format has. Point prompt_column "
+                "at such a column."
+            )
+    if len(set(kinds)) > 1:
+        raise ConfigError(f"{key} mixes text and chat messages: make every row one kind.")
+    messages = bool(kinds) and kinds[0] == "messages"
+    if messages and not spec.chat:
+        raise ConfigError(
+            f"{key} holds chat messages but 'dataset.chat: false' asks for plain text: remove 'dataset.chat: false'."
+        )
+    if messages and spec.system_prompt and any(p and p[0]["role"] == "system" for p in prompts):
+        raise ConfigError(
+            f"{key}: the prompts carry their own system message, and 'dataset.system_prompt' would add another. "
+            "Remove 'dataset.system_prompt'."
+        )
+    return messages
+
+
+def _prompt_kind(prompt: object) -> str | None:
+    """``text``, ``messages`` (a non-empty list of role/content mappings), or None for anything else."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, list) and prompt and all(_is_message(m) for m in prompt):
+        return "messages"
+    return None
+
+
+def _is_message(item: object) -> bool:
+    return isinstance(item, dict) and isinstance(item.get("role"), str) and "content" in item
 
 
 def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> None:
@@ -162,9 +314,14 @@ def check_rewards_match_dataset(rewards: list[RewardFunc], dataset: Dataset) -> 
                 inspect.Parameter.KEYWORD_ONLY,
             )
             if needed and name not in available:
+                fix = (
+                    "Set 'dataset.answer_column' to the column that holds the answers"
+                    if name == "answer"
+                    else f"Rewards get every column under its own name: use a dataset with a '{name}' column"
+                )
                 raise ConfigError(
                     f"Reward '{func.__module__}.{func.__qualname__}' needs a '{name}' column, but the dataset has "
-                    f"{', '.join(sorted(dataset.column_names))}. Set 'dataset.answer_column' or change the reward."
+                    f"{', '.join(sorted(dataset.column_names))}. {fix}, or change the reward's parameter."
                 )
 
 
@@ -181,7 +338,18 @@ def load_model(config: Config, plan: RunPlan, path: str) -> PreTrainedModel:
 
         model = empty_4bit_model(path, plan.dtype, plan.device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=plan.dtype)
+        # trl.model_init_kwargs: the attention implementation applies (the dtype is the plan's; validation refuses
+        # the other keys rather than ignore them).
+        attention = (config.trl.get("model_init_kwargs") or {}).get("attn_implementation")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=plan.dtype, **({"attn_implementation": attention} if attention else {})
+            )
+        except OSError as err:
+            raise ConfigError(
+                f"'base_model: {config.base_model}' could not be loaded ({_first_line(err)}). Give a model folder "
+                "with its weights, or a hub id in the local cache."
+            ) from None
         # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
         # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
         if not plan.shared_base:

@@ -64,13 +64,15 @@ def gsm8k_answer(solution: str) -> str:
     return _normalise_number(match.group(1))
 
 
-def accuracy_reward(completions: list, answer: list[str], **_: object) -> list[float]:
+def accuracy_reward(completions: list, answer: list, **_: object) -> list[float]:
     """1.0 when the last number in the completion equals the reference answer, else 0.0.
 
-    ``answer`` may be a bare number or a full GSM8K solution ending in ``#### <number>``.
+    ``answer`` may be a bare number (text or a number, as the dataset's column holds it) or a full GSM8K
+    solution ending in ``#### <number>``.
     """
     rewards = []
-    for completion, reference in zip(completions, answer, strict=True):
+    for completion, given in zip(completions, answer, strict=True):
+        reference = str(given)
         expected = gsm8k_answer(reference) if "####" in reference else _normalise_number(reference)
         numbers = _LAST_NUMBER.findall(_completion_text(completion))
         rewards.append(float(bool(numbers) and _normalise_number(numbers[-1]) == expected))

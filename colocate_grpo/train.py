@@ -21,7 +21,7 @@ import yaml
 from transformers.trainer_callback import ProgressCallback
 
 from colocate_grpo.checkpoints import resume_point
-from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, load_config, packaged_configs
+from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, Problems, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
@@ -36,6 +36,7 @@ from colocate_grpo.output_dir import check_output_dir
 from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
+from colocate_grpo.validation import precision_problems
 
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
     from colocate_grpo.trainer import ColocateGRPOTrainer
@@ -68,16 +69,25 @@ class TrainResult:
         )
 
 
+# GRPOConfig arguments the run sets that a trl: block may set too: the user's value is taken (bf16 and fp16 where they
+# agree with the training dtype, which precision_problems checks before this runs).
+USER_SETTABLE_ARGS = ("bf16", "fp16", "report_to", "save_strategy", "ddp_find_unused_parameters")
+
+
 def grpo_args(config: Config, device: str, dtype: Any) -> Any:
-    """The TRL GRPOConfig for a run: our top-level keys, the vllm: block, then the trl: block."""
+    """The TRL GRPOConfig for a run: our top-level keys, the vllm: block, then the trl: block.
+
+    Raises:
+        ConfigError: when TRL's GRPOConfig refuses the settings (its own checks), with TRL's message.
+    """
     import torch
     from trl import GRPOConfig
 
     trl_settings = {k: v for k, v in config.trl_settings.items() if k not in OWN_TRL_KEYS}
-    return GRPOConfig(
+    ours: dict[str, Any] = dict(
         output_dir=config.output_dir,
         learning_rate=config.learning_rate,
-        max_steps=config.max_steps,
+        max_steps=config.max_steps,  # -1: TRL trains for trl.num_train_epochs
         per_device_train_batch_size=config.micro_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -86,15 +96,24 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
         save_steps=config.save_steps or 500,
         seed=config.seed,
         use_cpu=device == "cpu",
+        # Mixed precision on the GPU; on the CPU the model itself is in the training dtype.
         bf16=device == "cuda" and dtype == torch.bfloat16,
         fp16=device == "cuda" and dtype == torch.float16,
-        report_to="none",
+        report_to="none",  # metrics.jsonl and the dashboard are ours; trl.report_to adds trackers
         # Several ranks: every trainable parameter gets a gradient every step (no extra pass to look for others).
         ddp_find_unused_parameters=False,
         # The engine's token budget per sequence as the user set it; the plan caps it at the model's context.
         vllm_max_model_length=config.vllm.max_model_len or config.max_prompt_length + config.max_completion_length,
-        **trl_settings,
     )
+    for key in USER_SETTABLE_ARGS:
+        if key in trl_settings:
+            value = trl_settings.pop(key)
+            if key not in ("bf16", "fp16"):  # those agree with ours (precision_problems); ours is the device's
+                ours[key] = value
+    try:
+        return GRPOConfig(**ours, **trl_settings)
+    except (ValueError, TypeError) as err:  # TRL's and transformers' own checks of the values
+        raise ConfigError(f"TRL's GRPOConfig refuses the trl: settings: {err}") from None
 
 
 def resume_checkpoint(config: Config) -> str | None:
@@ -146,22 +165,40 @@ def check_inputs(config: Config) -> RunInputs:
     from colocate_grpo import models
 
     device = models.resolve_device(config)
-    rewards = models.resolve_rewards(config)
-    path = models.model_path(config)
-    tokenizer = models.load_tokenizer(path)
-    dataset = models.build_dataset(config, tokenizer)
-    longest_prompt = models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
+    # Every problem of the independent parts in one pass: the rewards, the model and its dataset, TRL's arguments.
+    problems = Problems()
+    rewards = path = tokenizer = dataset = args = None
+    longest_prompt = 0
+    with problems.catch():
+        rewards = models.resolve_rewards(config)
+    with problems.catch():
+        path = models.model_path(config)
+        tokenizer = models.load_tokenizer(path)
+        dataset = models.build_dataset(config, tokenizer)
+        longest_prompt = models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
+    dtype = models.training_dtype(device)
+    problems.found.extend(precision_problems(config, dtype))
+    with problems.catch():
+        args = grpo_args(config, device, dtype)
+    problems.raise_if_any()
     models.check_rewards_match_dataset(rewards, dataset)
     models.check_rewards_run(rewards, dataset)
-    dtype = models.training_dtype(device)
-    args = grpo_args(config, device, dtype)
+    shape = model_shape(path, args.trust_remote_code)
+    if shape is not None and shape.context and (config.vllm.max_model_len or 0) > shape.context:
+        # vLLM refuses a budget beyond the model's positions, once the engine starts; the derived one is capped.
+        raise ConfigError(
+            f"'vllm.max_model_len: {config.vllm.max_model_len}' is above the context of {config.base_model} "
+            f"({shape.context} tokens, its max_position_embeddings), which vLLM refuses: lower it to at most "
+            f"{shape.context}, or remove it (the run's budget is then max_prompt_length + max_completion_length, "
+            "capped at the context)."
+        )
     plan = plan_run(
         config,
         args,
         model_path=path,
         device=device,
         dtype=dtype,
-        shape=model_shape(path, args.trust_remote_code),
+        shape=shape,
         longest_prompt=longest_prompt,
         memory=read_device_memory() if device == "cuda" else None,
     )

@@ -110,7 +110,10 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
         ({"trl": {"vllm_mode": "server"}}, ["'trl.vllm_mode: server' is not supported"]),
         ({"trl": {"vllm_server_host": "0.0.0.0"}}, ["server-mode setting"]),
         ({"trl": {"vllm_sync_interval": 5}}, ["'trl.vllm_sync_interval' is not supported"]),
-        ({"trl": {"learning_rate": 1e-5}}, ["Set 'learning_rate' instead of 'trl.learning_rate'"]),
+        (
+            {"learning_rate": 1e-4, "trl": {"learning_rate": 1e-5}},
+            ["'trl.learning_rate' and 'learning_rate' are one setting, given twice", "keep one"],
+        ),
         ({"micro_batch_size": 6}, ["must be a multiple of trl.num_generations (8)"]),
         ({"trl": {"num_generations": 1}}, ["'trl.num_generations' must be at least 2"]),
         ({"task": None}, ["Nothing to train on"]),
@@ -271,7 +274,8 @@ def test_a_local_dataset_becomes_chat_prompts_with_answers(tmp_path):
     tokenizer = models.load_tokenizer(models.model_path(config))
     dataset = models.build_dataset(config, tokenizer)
     assert dataset[1]["prompt"] == [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+1="}]
-    assert dataset[1]["answer"] == "2" and set(dataset.column_names) == {"prompt", "answer"}
+    # Every column stays, as TRL passes each to the rewards.
+    assert dataset[1]["answer"] == "2" and set(dataset.column_names) == {"prompt", "question", "answer"}
 
 
 def test_a_missing_dataset_column_is_named_with_the_columns_there(tmp_path):
