@@ -192,6 +192,11 @@ def check_inputs(config: Config) -> RunInputs:
             f"{shape.context}, or remove it (the run's budget is then max_prompt_length + max_completion_length, "
             "capped at the context)."
         )
+    if config.async_generation and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "'async_generation: true' runs in one process; this launch has several. Remove 'async_generation' to "
+            "train data-parallel, or launch one process."
+        )
     plan = plan_run(
         config,
         args,
@@ -233,8 +238,13 @@ def build_trainer(
         model = models.load_model(config, plan, inputs.path)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 
+        trainer_class = ColocateGRPOTrainer
+        if plan.asynchronous is not None:
+            from colocate_grpo.async_generation import AsyncColocateGRPOTrainer
+
+            trainer_class = AsyncColocateGRPOTrainer
         metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
-        trainer = ColocateGRPOTrainer(
+        trainer = trainer_class(
             model=model,
             reward_funcs=inputs.rewards,
             args=inputs.args,
