@@ -39,6 +39,7 @@ from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Weights
+from colocate_grpo.engine_state import GenerationWorkerError
 from colocate_grpo.plan import AsyncMode, RunPlan, plan_for_model
 from colocate_grpo.trainer import ColocatedGeneration, ColocateGRPOTrainer
 
@@ -46,10 +47,6 @@ logger = logging.getLogger(__name__)
 
 # How long the end of training waits for a batch in flight, in seconds: far longer than a generation takes.
 STOP_TIMEOUT_S = 300.0
-
-
-class GenerationWorkerError(RuntimeError):
-    """The background generation failed (re-raised in the trainer's thread), or did not end by its deadline."""
 
 
 @dataclass

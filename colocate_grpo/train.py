@@ -23,6 +23,7 @@ from transformers.trainer_callback import ProgressCallback
 from colocate_grpo.checkpoints import resume_point
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, Problems, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
+from colocate_grpo.engine_state import GenerationWorkerError
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
     MemoryPlan,
@@ -371,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RewardError as err:
         print(f"colocate_grpo: reward error: {err}", file=sys.stderr)
+        return 1
+    except GenerationWorkerError as err:
+        print(f"colocate_grpo: generation error: {err}", file=sys.stderr)
         return 1
     if is_main_process():  # the other ranks trained the same run; rank 0 logged it
         print(summary(result.metrics.history))
