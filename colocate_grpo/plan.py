@@ -266,7 +266,8 @@ class RunPlan:
                 },
             },
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
-            "async_generation": None if self.asynchronous is None else dataclasses.asdict(self.asynchronous),
+            # Only where the run generates asynchronously: a sequential run's plan.yaml stays as it was.
+            **({} if self.asynchronous is None else {"async_generation": dataclasses.asdict(self.asynchronous)}),
         }
 
 

@@ -19,8 +19,9 @@ from colocate_grpo.config import ConfigError, load_config
 from colocate_grpo.engine import Engine, live_engine
 from colocate_grpo.engine_state import GenerationWorkerError
 from colocate_grpo.memory_plan import GIB, plan_memory, refusal
+from colocate_grpo.plan import AsyncMode, Serving
 from colocate_grpo.rewards import RewardError
-from colocate_grpo.train import build_trainer, default_config_path, main, train
+from colocate_grpo.train import build_trainer, check_inputs, default_config_path, main, train
 
 # A run that hangs fails the test after this many seconds instead of blocking the session.
 DEADLINE_S = 240
@@ -266,6 +267,13 @@ def test_the_plan_says_how_and_why_it_generates_asynchronously(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "Served as: adapter" in out
     assert "Generation: asynchronous" in out and "max_staleness 1" in out and "a merge would change" in out
+    plan = check_inputs(tiny(tmp_path, max_staleness=2)).plan
+    assert plan.serving is Serving.ADAPTER and plan.merge_aware is None and plan.asynchronous == AsyncMode(2)
+    assert plan.engine.max_lora_rank is not None  # the engine is built with its LoRA slot
+    assert plan.to_dict()["async_generation"] == {"max_staleness": 2}
+    sequential = check_inputs(tiny(tmp_path, async_generation=False)).plan
+    assert sequential.asynchronous is None and "async_generation" not in sequential.to_dict()
+    assert sequential.serving is Serving.MERGE_AWARE  # the default is untouched
 
 
 def test_the_memory_plan_counts_training_beside_the_awake_kv_cache():
