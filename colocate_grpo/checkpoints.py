@@ -27,7 +27,7 @@ MANIFEST = "manifest.json"
 PREFIX = "checkpoint-"
 # The settings a resumed run must share with its checkpoint, by config key (the adapter's shapes and meaning).
 _LORA_KEYS = ("lora_r", "lora_alpha", "lora_target_linear", "lora_target_modules")
-_SERVING_KEYS = "lora_merge_aware, trl.vllm_lora_sync, load_in_4bit"
+_SERVING_KEYS = "lora_merge_aware, trl.vllm_lora_sync, load_in_4bit, async_generation"
 
 
 def checkpoint_step(folder: Path) -> int | None:

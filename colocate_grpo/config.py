@@ -246,6 +246,24 @@ class Config:
         metadata={"help": "Also write output_dir/merged: a bf16 model whose weights equal what vLLM served."},
     )
     save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps; 0 saves only at the end."})
+    async_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the next batch while the trainer trains on this one (docs/async.md). The engine stays "
+            "awake and serves the adapter (as trl.vllm_lora_sync does); each batch is sampled with the adapter of "
+            "the optimizer step before the one that trains on it, and TRL's importance-sampling correction "
+            "reweights it. LoRA on a bf16 base, one process."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "With async_generation: how many optimizer steps a batch's adapter may lag behind the trainer's "
+            "when training on it starts (TRL's AsyncGRPOConfig key, default 4 there; here one batch is in flight, "
+            "so the lag is at most 1). An older batch is not trained on: it is counted in async/dropped and "
+            "generated again. 0 drops every batch generated ahead."
+        },
+    )
 
     trl: dict[str, Any] = field(
         default_factory=dict,

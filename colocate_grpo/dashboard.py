@@ -25,6 +25,12 @@ PHASES = (*ENGINE_PHASES, "train")
 FIGSIZE = (15, 8)  # inches, at 100 dpi
 GRID = {"left": 0.045, "right": 0.99, "top": 0.96, "bottom": 0.065, "wspace": 0.17, "hspace": 0.17}
 PHASE_COLORS = {"wake": "#9ecae1", "sync": "#fd8d3c", "generate": "#6baed6", "sleep": "#c6dbef", "train": "#74c476"}
+# Asynchronous generation's seconds per step (colocate_grpo.async_generation), drawn over the phases.
+OVERLAP_LINES = {
+    "async/overlap_s": ("generating while training", "#08519c", "-"),
+    "async/trainer_idle_s": ("trainer idle", "#a50f15", "--"),
+    "async/engine_idle_s": ("engine idle", "#525252", ":"),
+}
 
 
 def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -129,6 +135,10 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
         top = [b + s for b, s in zip(below, seconds, strict=True)]
         time_ax.fill_between(phase_steps, below, top, step="mid", color=PHASE_COLORS[phase], label=phase, linewidth=0)
         bottom = top
+    for key, (label, color, style) in OVERLAP_LINES.items():
+        overlap_steps, seconds = _series(history, key)
+        if seconds:
+            time_ax.plot(overlap_steps, seconds, style, color=color, linewidth=1.5, label=label)
     time_ax.set(title="Step time by phase (s)", xlabel="step")
     # The first step also compiles and warms up; scaled to it, every later step would be a sliver.
     if bottom is not None and len(bottom) > 2 and bottom[0] > 3 * statistics.median(bottom[1:]):
@@ -196,6 +206,16 @@ def summary(history: list[dict[str, Any]]) -> str:
     if total > 0:
         split = ", ".join(f"{phase} {100 * seconds / total:.0f}%" for phase, seconds in totals.items())
         lines.append(f"Time: {total:.0f} s in steps; {split}")
+    staleness = _series(history, "async/staleness")[1]
+    if staleness:
+        seconds = {key: sum(_series(history, key)[1]) for key in OVERLAP_LINES}
+        dropped = sum(_series(history, "async/dropped")[1])
+        lines.append(
+            f"Asynchronous generation: staleness mean {sum(staleness) / len(staleness):.2f}, max "
+            f"{max(staleness):.0f}; {dropped:.0f} batches dropped; generating while training "
+            f"{seconds['async/overlap_s']:.1f} s, trainer idle {seconds['async/trainer_idle_s']:.1f} s, engine idle "
+            f"{seconds['async/engine_idle_s']:.1f} s"
+        )
     memory = _memory_key(history)
     peaks = {phase: max(_series(history, f"memory/{phase}/{memory}")[1], default=math.nan) for phase in PHASES}
     if any(not math.isnan(v) for v in peaks.values()):

@@ -15,6 +15,11 @@ class EngineStateError(RuntimeError):
     """An engine call that would hang, or silently use stale or discarded weights."""
 
 
+class GenerationWorkerError(RuntimeError):
+    """A generation in the background (``async_generation``) failed, re-raised in the trainer's thread with its
+    message; or it had not ended by the deadline at the end of training."""
+
+
 class Weights(enum.Enum):
     """Where the engine's weights are and whether they can be trusted."""
 

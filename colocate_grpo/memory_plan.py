@@ -200,6 +200,8 @@ class MemoryPlan:
         engine_runtime: vLLM's forward activations and, with CUDA graphs, the graphs' memory.
         activations: an estimate of training's activations for one micro-batch (not a bound).
         free, total: the device's free and total bytes.
+        overlapped: whether the engine generates while the trainer trains (``async_generation``): then
+            training's activations live beside the KV cache, and count towards the peak.
     """
 
     trainer_weights: int
@@ -212,6 +214,7 @@ class MemoryPlan:
     activations: int
     free: int
     total: int
+    overlapped: bool = False
 
     @property
     def generation_peak(self) -> int:
@@ -220,9 +223,16 @@ class MemoryPlan:
         return trainer + self.engine_weights + self.merge_record + self.kv_cache + self.engine_runtime
 
     @property
+    def peak(self) -> int:
+        """Bytes on the device at the run's peak: while the engine generates, and, where it generates while the
+        trainer trains, training's activations (estimated) on top."""
+        return self.generation_peak + (self.activations if self.overlapped else 0)
+
+    @property
     def fits(self) -> bool:
-        """Whether the known parts (all but the activations estimate) fit in the free memory."""
-        return self.generation_peak <= self.free
+        """Whether the peak fits in the free memory: the known parts, and training's activations where they live
+        beside the engine's KV cache (``overlapped``)."""
+        return self.peak <= self.free
 
     def summary(self) -> str:
         """One line: the parts in GiB, their sum, the free memory, and the activations estimate."""
@@ -230,6 +240,14 @@ class MemoryPlan:
         record = f" + {g(self.merge_record)} merge record" if self.merge_record else ""
         if self.merge_record_host:
             record += f" ({g(self.merge_record_host)} more in host memory)"
+        if self.overlapped:
+            return (
+                f"Memory plan: trainer {g(self.trainer_weights)} weights + {g(self.trainer_states)} gradients and "
+                f"optimizer, engine {g(self.engine_weights)} weights{record} + {g(self.kv_cache)} KV cache + "
+                f"{g(self.engine_runtime)} runtime + training activations about {g(self.activations)} = "
+                f"{g(self.peak)} GiB while generating and training at once, of {g(self.free)} GiB free "
+                f"({g(self.total)} GiB device)."
+            )
         return (
             f"Memory plan: trainer {g(self.trainer_weights)} weights + {g(self.trainer_states)} gradients and "
             f"optimizer, engine {g(self.engine_weights)} weights{record} + {g(self.kv_cache)} KV cache + "
@@ -255,6 +273,7 @@ def plan_memory(
     free: int,
     total: int,
     host_free: int | None = None,
+    overlapped: bool = False,
 ) -> MemoryPlan:
     """The run's memory plan on a device with ``free`` of ``total`` bytes, from its parts in bytes.
 
@@ -266,6 +285,7 @@ def plan_memory(
             its byte per merged weight fits in the host memory that loading the model leaves, the plan keeps
             it there (``MemoryPlan.merge_record_host``), also when the device is short even so. None: the
             device alone.
+        overlapped: the engine generates while the trainer trains (``MemoryPlan.overlapped``).
     """
     plan = MemoryPlan(
         trainer_weights=trainer_weights,
@@ -278,6 +298,7 @@ def plan_memory(
         activations=activations,
         free=free,
         total=total,
+        overlapped=overlapped,
     )
     if plan.fits or not merged_weights or host_free is None:
         return plan
@@ -373,6 +394,14 @@ def refusal(plan: MemoryPlan, config: Config, serves_adapter: bool) -> str:
         ]
     if not config.vllm.enforce_eager:
         fixes.append(f"'vllm.enforce_eager: true' (saves the graphs' {_gib(CUDA_GRAPH_BYTES)} GiB, decodes slower)")
+    if plan.overlapped:
+        fixes[:0] = [
+            f"a smaller KV cache: a smaller generation batch or shorter sequences (the KV cache, "
+            f"{_gib(plan.kv_cache)} GiB, stays awake while the trainer trains)",
+            f"a smaller micro_batch_size with more gradient_accumulation_steps (training's activations, about "
+            f"{_gib(plan.activations)} GiB, live beside the KV cache)",
+            "the sequential mode: remove 'async_generation' (the KV cache sleeps while the trainer trains)",
+        ]
     on_host = _record_on_host(plan)
     if plan.merge_record and not plan.merge_record_host and on_host.fits:
         # The plan kept the record on the device because the host had no room for it.
@@ -382,9 +411,10 @@ def refusal(plan: MemoryPlan, config: Config, serves_adapter: bool) -> str:
             f"{_gib(on_host.merge_record_host)} GiB would wait there, beside the model's weights as they load, and "
             f"the device would need {_gib(on_host.generation_peak)} GiB)",
         )
-    short = plan.generation_peak - plan.free
+    short = plan.peak - plan.free
+    while_ = "while the engine generates and the trainer trains" if plan.overlapped else "while the engine generates"
     return (
-        f"This run needs {_gib(plan.generation_peak)} GiB on the device while the engine generates, "
+        f"This run needs {_gib(plan.peak)} GiB on the device {while_}, "
         f"{_gib(short)} GiB more than the {_gib(plan.free)} GiB free. {plan.summary()} "
         f"Fixes: {'; '.join(fixes)}."
     )

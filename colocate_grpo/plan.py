@@ -93,6 +93,29 @@ class Serving(enum.Enum):
 
 
 @dataclass(frozen=True)
+class AsyncMode:
+    """Asynchronous generation (``async_generation``): the engine generates the next batch while the trainer trains
+    on this one, in a background thread (on a GPU, on a CUDA stream of its own).
+
+    Attributes:
+        max_staleness: optimizer steps a batch's adapter may lag behind the trainer's when training on it starts;
+            an older batch is dropped and generated again.
+    """
+
+    max_staleness: int
+
+    def describe(self) -> str:
+        """The run's ``Generation:`` line: what the mode does and why it serves the adapter."""
+        return (
+            "asynchronous: the next batch generates while this one trains, sampled with the adapter of the step "
+            f"before (one batch in flight, max_staleness {self.max_staleness}); the engine stays awake. The adapter "
+            "is served, not merged: a merge would change the base weights the trainer computes with while the engine "
+            "reads them. A sync writes the adapter into the engine's LoRA slot only between generations, so no "
+            "optimizer step changes what a generation in flight reads."
+        )
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """The engine a run needs: its identity (what it computes) and its capacity (how much at once).
 
@@ -188,6 +211,7 @@ class RunPlan:
         merge_aware: the merge-aware LoRA dtype (``"bf16"``, ``"fp16"``), or None for ordinary LoRA.
         engine: the engine the run needs.
         memory: the device memory plan on a GPU, else None.
+        asynchronous: asynchronous generation's settings, or None: generate, then train.
     """
 
     device: str
@@ -197,6 +221,7 @@ class RunPlan:
     merge_aware: str | None
     engine: EngineSpec
     memory: MemoryPlan | None
+    asynchronous: AsyncMode | None = None
 
     @property
     def merge_record_in_host_memory(self) -> bool:
@@ -219,6 +244,8 @@ class RunPlan:
             f"Engine: {engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens at once "
             f"(max_model_len {engine.options.max_model_len}), {cache}, {engine.dtype} on {self.device}.",
         ]
+        if self.asynchronous is not None:
+            lines.append(f"Generation: {self.asynchronous.describe()}")
         if self.memory is not None:
             lines.append(self.memory.summary())
         return "\n".join(lines)
@@ -239,6 +266,8 @@ class RunPlan:
                 },
             },
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
+            # Only where the run generates asynchronously: a sequential run's plan.yaml stays as it was.
+            **({} if self.asynchronous is None else {"async_generation": dataclasses.asdict(self.asynchronous)}),
         }
 
 
@@ -271,7 +300,8 @@ def merge_aware_mode(config: Config, dtype: torch.dtype) -> str | None:
 
 
 def _adapter_asked(config: Config) -> bool:
-    return bool(config.trl.get("vllm_lora_sync") or config.load_in_4bit)
+    # Asynchronous generation serves the adapter: a merge would write the base while the trainer reads it.
+    return bool(config.trl.get("vllm_lora_sync") or config.load_in_4bit or config.async_generation)
 
 
 def serving_of(config: Config, dtype: torch.dtype) -> Serving:
@@ -280,7 +310,7 @@ def serving_of(config: Config, dtype: torch.dtype) -> Serving:
         return Serving.FULL_WEIGHTS
     if config.load_in_4bit:
         return Serving.QUANTIZED_BASE
-    if config.trl.get("vllm_lora_sync"):
+    if config.trl.get("vllm_lora_sync") or config.async_generation:
         return Serving.ADAPTER
     return Serving.MERGE_AWARE if merge_aware_mode(config, dtype) else Serving.MERGED
 
@@ -335,6 +365,7 @@ def plan_run(
         lora=lora,
         sequence_tokens=prompt + args.max_completion_length,
         memory=memory,
+        asynchronous=AsyncMode(config.max_staleness) if config.async_generation else None,
     )
 
 
@@ -345,6 +376,7 @@ def plan_for_model(
     vllm_options: VLLMConfig | None = None,
     serve_adapter: bool = False,
     sequence_tokens: int | None = None,
+    asynchronous: AsyncMode | None = None,
 ) -> RunPlan:
     """The plan of a run that trains ``model`` (a PEFT LoRA model or a full one) with ``args`` (a GRPOConfig).
 
@@ -356,6 +388,7 @@ def plan_for_model(
         serve_adapter: serve the LoRA adapter with vLLM's LoRA kernels instead of merged weights.
         sequence_tokens: the tokens a generated sequence takes at most (the longest prompt plus
             ``max_completion_length``); None: ``max_model_len``.
+        asynchronous: generate the next batch while this one trains (needs ``serve_adapter``); None: sequentially.
 
     Raises:
         ValueError: for a model or settings the colocated engine cannot serve.
@@ -376,6 +409,11 @@ def plan_for_model(
         raise ValueError(
             "serve_adapter needs a PEFT LoRA model with ordinary LoRA layers: merge-aware LoRA trains the merged "
             "weights, which only a merged sync serves."
+        )
+    if asynchronous is not None and not serve_adapter:
+        raise ValueError(
+            "Asynchronous generation needs serve_adapter=True: a merged sync would change the base weights the "
+            "trainer computes with while the engine generates."
         )
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     if any(any(m.use_dora.values()) for m in layers):
@@ -411,6 +449,7 @@ def plan_for_model(
         lora=lora,
         sequence_tokens=sequence_tokens,
         memory=read_device_memory() if device == "cuda" else None,
+        asynchronous=asynchronous,
     )
 
 
@@ -427,6 +466,7 @@ def _derive(
     lora: _Lora | None,
     sequence_tokens: int | None,
     memory: DeviceMemory | None,
+    asynchronous: AsyncMode | None = None,
 ) -> RunPlan:
     """The plan both constructors end in: every derived setting, from explicit inputs."""
     four_bit = serving is Serving.QUANTIZED_BASE
@@ -475,6 +515,8 @@ def _derive(
             free=memory.free,
             total=memory.total,
             host_free=memory.host_free,
+            # The engine generates while the trainer trains: its KV cache stays awake beside training's activations.
+            overlapped=asynchronous is not None,
         )
     return RunPlan(
         device=device,
@@ -484,6 +526,7 @@ def _derive(
         merge_aware=merge_aware,
         engine=spec,
         memory=memory_plan,
+        asynchronous=asynchronous,
     )
 
 

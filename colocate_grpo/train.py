@@ -23,6 +23,7 @@ from transformers.trainer_callback import ProgressCallback
 from colocate_grpo.checkpoints import resume_point
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, Problems, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
+from colocate_grpo.engine_state import GenerationWorkerError
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
     MemoryPlan,
@@ -192,6 +193,11 @@ def check_inputs(config: Config) -> RunInputs:
             f"{shape.context}, or remove it (the run's budget is then max_prompt_length + max_completion_length, "
             "capped at the context)."
         )
+    if config.async_generation and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "'async_generation: true' runs in one process; this launch has several. Remove 'async_generation' to "
+            "train data-parallel, or launch one process."
+        )
     plan = plan_run(
         config,
         args,
@@ -233,8 +239,13 @@ def build_trainer(
         model = models.load_model(config, plan, inputs.path)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 
+        trainer_class = ColocateGRPOTrainer
+        if plan.asynchronous is not None:
+            from colocate_grpo.async_generation import AsyncColocateGRPOTrainer
+
+            trainer_class = AsyncColocateGRPOTrainer
         metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
-        trainer = ColocateGRPOTrainer(
+        trainer = trainer_class(
             model=model,
             reward_funcs=inputs.rewards,
             args=inputs.args,
@@ -361,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except RewardError as err:
         print(f"colocate_grpo: reward error: {err}", file=sys.stderr)
+        return 1
+    except GenerationWorkerError as err:
+        print(f"colocate_grpo: generation error: {err}", file=sys.stderr)
         return 1
     if is_main_process():  # the other ranks trained the same run; rank 0 logged it
         print(summary(result.metrics.history))

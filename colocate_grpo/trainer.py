@@ -278,6 +278,9 @@ class ColocateGRPOTrainer(GRPOTrainer):
     engine already computes with.
     """
 
+    # What drives the engine for TRL (a subclass generates asynchronously: colocate_grpo.async_generation).
+    generation_class: type[ColocatedGeneration] = ColocatedGeneration
+
     def __init__(
         self,
         model: Any,
@@ -323,7 +326,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
                     plan.serving.describe(shared_base=False),
                 )
         generation = functools.partial(
-            ColocatedGeneration,
+            self.generation_class,
             engine_factory=lambda _: build_engine(),
             serving=plan.serving,
             shared_base_bytes=shared_base_bytes,

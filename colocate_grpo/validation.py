@@ -97,6 +97,11 @@ def _check_ranges(c: Config, problems: Problems) -> None:
     require(c.logging_steps >= 1, "logging_steps", f"must be at least 1, got {c.logging_steps}.")
     require(c.save_steps >= 0, "save_steps", f"must be 0 (only at the end) or positive, got {c.save_steps}.")
     require(c.num_prompts is None or c.num_prompts >= 1, "num_prompts", f"must be positive, got {c.num_prompts}.")
+    require(
+        c.max_staleness >= 0,
+        "max_staleness",
+        f"must be 0 (train only on batches sampled with the current adapter) or positive, got {c.max_staleness}.",
+    )
     # The trl: block's values are as written: their types are reported by _check_trl_block, so each range check
     # here reads only a value of the right type.
     completion = _integer(c.trl_settings["max_completion_length"])
@@ -228,11 +233,54 @@ def _check_combinations(c: Config, problems: Problems) -> None:
                 f"'{key}: true' (it serves the decoder's linear layers): remove them"
                 + ("." if c.load_in_4bit else ", or remove 'trl.vllm_lora_sync' to serve merged weights.")
             )
+    _check_async(c, problems)
     if c.peft_use_dora:
         problems.add(
             "'peft_use_dora: true' cannot be served in colocate mode yet: vLLM has no DoRA kernels, and the merged "
             "sync writes W + s*B@A without DoRA's magnitude, so the engine would sample from another policy than the "
             "one trained. Remove 'peft_use_dora' (plain LoRA, merge-aware by default)."
+        )
+
+
+def _check_async(c: Config, problems: Problems) -> None:
+    """``async_generation`` with what it cannot run with: the engine generates while the trainer trains, so the
+    weights it reads must be ones no training step writes (an adapter in its own LoRA slot, on a base nobody
+    changes)."""
+    if not c.async_generation:
+        if c.max_staleness != 1:
+            problems.add(
+                f"'max_staleness: {c.max_staleness}' bounds the batches that 'async_generation: true' generates ahead; "
+                "without it every batch is sampled with the current adapter. Set 'async_generation: true', or remove "
+                "'max_staleness'."
+            )
+        return
+    if c.adapter is None:
+        problems.add(
+            "'async_generation: true' with full fine-tuning: the engine would read weights while the optimizer step "
+            "writes them. Set 'adapter: lora' (the adapter is served from its own slot), or remove 'async_generation'."
+        )
+    if c.lora_merge_aware not in (None, "auto"):
+        problems.add(
+            f"'async_generation: true' cannot be combined with 'lora_merge_aware: {c.lora_merge_aware}': a merged "
+            "sync merges into the base weights the trainer computes with while the engine generates, so the mode "
+            "serves the adapter. Remove 'lora_merge_aware' (or 'async_generation' for merge-aware LoRA)."
+        )
+    if c.trl.get("vllm_lora_sync") is False:
+        problems.add(
+            "'async_generation: true' serves the adapter ('trl.vllm_lora_sync: false' asks for merged weights, which "
+            "would be merged into the base while the trainer reads it): remove 'trl.vllm_lora_sync: false' or "
+            "'async_generation'."
+        )
+    if c.load_in_4bit:
+        problems.add(
+            "'async_generation: true' with 'load_in_4bit: true' is not supported yet (not verified on a device): "
+            "remove one of them."
+        )
+    if c.trl.get("vllm_importance_sampling_correction") is False:
+        problems.add(
+            "'async_generation: true' trains on batches sampled with the adapter of the step before, which TRL's "
+            "importance-sampling correction reweights: remove 'trl.vllm_importance_sampling_correction: false', or "
+            "'async_generation'."
         )
 
 

@@ -162,3 +162,26 @@ def test_live_dashboard_shows_status_at_once_and_the_figure_as_its_budget_allows
     drawn = live.clock.drawing_seconds
     live.on_train_end(None, SimpleNamespace(global_step=10, max_steps=10), None)  # the final draw, always
     assert "(done)" in live.status.value and live.clock.drawing_seconds > drawn
+
+
+def test_asynchronous_generation_shows_overlap_idle_time_and_staleness():
+    history = synthetic_history(steps=4)
+    for event in history:
+        event.update(
+            {
+                "async/overlap_s": 0.5,
+                "async/trainer_idle_s": 0.1,
+                "async/engine_idle_s": 0.2,
+                "async/staleness": float(event["step"] > 1),
+                "async/dropped": 0.0,
+            }
+        )
+    time_ax = draw(history).axes[4]
+    lines = lines_by_label(time_ax)
+    assert list(lines["generating while training"].get_ydata()) == [0.5] * 4
+    assert {"trainer idle", "engine idle"} <= set(lines)
+    assert not any("idle" in label for label in lines_by_label(draw(synthetic_history()).axes[4]))
+    text = summary(history)
+    assert "Asynchronous generation: staleness mean 0.75, max 1; 0 batches dropped" in text
+    assert "generating while training 2.0 s, trainer idle 0.4 s, engine idle 0.8 s" in text
+    assert "Asynchronous" not in summary(synthetic_history())
