@@ -40,7 +40,8 @@ from trl.generation.vllm_generation import VLLMGeneration
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Weights
 from colocate_grpo.engine_state import GenerationWorkerError
-from colocate_grpo.plan import AsyncMode, RunPlan, plan_for_model
+from colocate_grpo.plan import RunPlan, plan_for_model
+from colocate_grpo.serving import AsyncMode
 from colocate_grpo.trainer import ColocatedGeneration, ColocateGRPOTrainer
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from colocate_grpo.config import Config, ConfigError, DatasetConfig, Problems, did_you_mean
-from colocate_grpo.plan import RunPlan, Serving
+from colocate_grpo.plan import RunPlan
 from colocate_grpo.prompts import drop_or_refuse_empty_prompts
+from colocate_grpo.serving import Serving
 from colocate_grpo.tasks import arithmetic_dataset
 from colocate_grpo.tiny import TINY_MODEL_NAME, tiny_model_path
 

@@ -16,7 +16,6 @@ engine's batch, ``max_model_len``, KV cache and memory fraction are worked out.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import fnmatch
 from dataclasses import dataclass, fields
 from typing import Any
@@ -39,6 +38,7 @@ from colocate_grpo.memory_plan import (
     training_bytes,
     weight_bytes,
 )
+from colocate_grpo.serving import AsyncMode, Serving
 
 # The engine's batch (max_num_seqs) is TRL's generation batch and at least this. vLLM 0.26 crashed in its warm-up
 # on the H200 with 16 (an illegal memory access) and ran with 64. Its own default there, 1024, costs memory that
@@ -48,90 +48,20 @@ MIN_NUM_SEQS = 64
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-class Serving(enum.Enum):
-    """How the engine serves the trained policy."""
-
-    MERGE_AWARE = "merge-aware"  # LoRA trained on its cast merge: the served weights are bitwise the trained ones
-    MERGED = "merged"  # PEFT's LoRA merged into the weights, rounded to their dtype
-    ADAPTER = "adapter"  # vLLM's LoRA kernels apply the adapter on the base weights
-    QUANTIZED_BASE = "4-bit base + adapter"  # the same on vLLM's NF4 base
-    FULL_WEIGHTS = "weights"  # full fine-tuning: the trained weights themselves
-
-    @property
-    def lora(self) -> bool:
-        return self is not Serving.FULL_WEIGHTS
-
-    @property
-    def serves_adapter(self) -> bool:
-        """Whether vLLM applies the adapter itself, on a base that never changes."""
-        return self in (Serving.ADAPTER, Serving.QUANTIZED_BASE)
-
-    @property
-    def merges(self) -> bool:
-        """Whether each sync merges the LoRA update into the served weights."""
-        return self in (Serving.MERGE_AWARE, Serving.MERGED)
-
-    def describe(self, shared_base: bool, fp32_head: bool = False) -> str:
-        """How the engine serves the policy, in words (the run's ``Served as:`` line)."""
-        if self is Serving.QUANTIZED_BASE:
-            text = "4-bit base + adapter (vLLM's NF4 base, one copy shared with the trainer, and its LoRA kernels)"
-        elif self is Serving.ADAPTER:
-            text = (
-                f"adapter (vLLM's LoRA kernels on the base weights{', one copy shared with the trainer' * shared_base})"
-            )
-        elif self is Serving.FULL_WEIGHTS:
-            text = "weights (full fine-tuning)"
-        else:
-            one_copy = "; one copy of the base, shared with the trainer and merged in place" * shared_base
-            what = (
-                "merged weights, bitwise what is trained"
-                if self is Serving.MERGE_AWARE
-                else ("LoRA merged into the weights, rounded to their dtype")
-            )
-            text = f"{self.value} ({what}{one_copy})"
-        return text + "; logits in fp32 on both sides" * fp32_head
-
-
-@dataclass(frozen=True)
-class AsyncMode:
-    """Asynchronous generation (``async_generation``): the engine generates the next batch while the trainer trains
-    on this one, in a background thread (on a GPU, on a CUDA stream of its own).
-
-    Attributes:
-        max_staleness: optimizer steps a batch's adapter may lag behind the trainer's when training on it starts;
-            an older batch is dropped and generated again.
-    """
-
-    max_staleness: int
-
-    def describe(self) -> str:
-        """The run's ``Generation:`` line: what the mode does and why it serves the adapter."""
-        return (
-            "asynchronous: the next batch generates while this one trains, sampled with the adapter of the step "
-            f"before (one batch in flight, max_staleness {self.max_staleness}); the engine stays awake. The adapter "
-            "is served, not merged: a merge would change the base weights the trainer computes with while the engine "
-            "reads them. A sync writes the adapter into the engine's LoRA slot only between generations, so no "
-            "optimizer step changes what a generation in flight reads."
-        )
-
-
 @dataclass(frozen=True)
 class EngineSpec:
     """The engine a run needs: its identity (what it computes) and its capacity (how much at once).
 
     Attributes:
-        model_path: the base model's directory or hub id.
-        options: the ``vllm:`` block, ``max_model_len`` resolved (the run's token budget, at most the model's context).
-        dtype: the torch dtype name the engine computes in.
+        model_path: the base model; options: the ``vllm:`` block, ``max_model_len`` resolved (the run's token budget,
+            at most the model's context); dtype: the torch dtype name the engine computes in.
         max_lora_rank: the rank of its one adapter slot (a rank vLLM serves); None serves the weights alone.
         fp32_head: compute the logits in fp32 from the head's weights (``trl.cast_lm_head_to_fp32``).
         quantization: ``"bitsandbytes"`` quantizes the checkpoint to NF4 as it loads (a 4-bit base), else None.
-        trust_remote_code: passed to vLLM's model loader.
         max_num_seqs: sequences generated at once: TRL's generation batch, at least ``MIN_NUM_SEQS``.
         sequence_tokens: tokens one sequence takes at most (the longest prompt + the completion), for the KV cache.
-        memory_fraction: vLLM's ``gpu_memory_utilization``.
-        kv_cache_bytes: vLLM's ``kv_cache_memory_bytes``; None lets vLLM size the cache from the fraction.
-        seed: the sampling seed.
+        memory_fraction, kv_cache_bytes: vLLM's ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (None: vLLM
+            sizes the cache from the fraction).
     """
 
     model_path: str

@@ -30,9 +30,10 @@ from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.head import add_fp32_head
 from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
-from colocate_grpo.plan import RunPlan, Serving, plan_for_model
+from colocate_grpo.plan import RunPlan, plan_for_model
 from colocate_grpo.quantized import served_code_mismatches
 from colocate_grpo.rewards import calculate_rewards
+from colocate_grpo.serving import Serving
 from colocate_grpo.shared_base import share_base_weights
 from colocate_grpo.sync import MergedInPlace, merge_into_shared_base, push_weights, served_weight_mismatches
 

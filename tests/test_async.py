@@ -19,8 +19,8 @@ from colocate_grpo.config import ConfigError, load_config
 from colocate_grpo.engine import Engine, live_engine
 from colocate_grpo.engine_state import GenerationWorkerError
 from colocate_grpo.memory_plan import GIB, plan_memory, refusal
-from colocate_grpo.plan import AsyncMode, Serving
 from colocate_grpo.rewards import RewardError
+from colocate_grpo.serving import AsyncMode, Serving
 from colocate_grpo.train import build_trainer, check_inputs, default_config_path, main, train
 
 # A run that hangs fails the test after this many seconds instead of blocking the session.

@@ -9,15 +9,8 @@ from transformers import AutoModelForCausalLM
 from colocate_grpo import models
 from colocate_grpo.config import load_config
 from colocate_grpo.memory_plan import GIB, ModelShape, engine_bytes, kv_cache_bytes, model_shape
-from colocate_grpo.plan import (
-    MIN_NUM_SEQS,
-    DeviceMemory,
-    Serving,
-    merge_aware_mode,
-    plan_for_model,
-    plan_run,
-    serving_of,
-)
+from colocate_grpo.plan import MIN_NUM_SEQS, DeviceMemory, merge_aware_mode, plan_for_model, plan_run, serving_of
+from colocate_grpo.serving import Serving
 from colocate_grpo.tiny import tiny_model_path
 from colocate_grpo.train import check_inputs, grpo_args
 
