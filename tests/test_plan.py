@@ -124,4 +124,4 @@ def test_the_plan_is_printed_and_written_as_plain_values():
     assert summary.startswith("Served as: merge-aware") and f"{plan.engine.max_num_seqs} sequences" in summary
     written = plan.to_dict()
     assert written["serving"] == "merge-aware" and written["engine"]["max_num_seqs"] == plan.engine.max_num_seqs
-    assert dataclasses.is_dataclass(plan) and plan.memory is None  # no memory plan on a CPU
+    assert dataclasses.is_dataclass(plan) and (plan.memory is None) is (plan.device == "cpu")  # a GPU's memory
