@@ -72,9 +72,20 @@ def smallest_card(results: list[dict], shape: str, kind: str) -> dict | None:
 def headline_table(results: list[dict], prefix: str) -> str:
     """The README's three rows: the 1.5B step and peak memory against stock TRL, the smallest card for 7B."""
     lines = ["| measured | colocate_grpo (the user's config) | stock TRL | results |", "|---|---|---|---|"]
-    ours = newest(results, experiment="step-vs-trl", shape="1.5B", kind="user")
-    stock = ours and newest(results, experiment="step-vs-trl", shape="1.5B", kind="stock", folder=ours["folder"])
-    if ours and stock:
+    # The newest folder that ran both side by side: a folder of ours alone (a change measured against the library
+    # before it) has no ratio to show.
+    side_by_side = [
+        (ours, stock)
+        for ours in results
+        if ours["experiment"] == "step-vs-trl"
+        and ours["shape"] == "1.5B"
+        and ours["kind"] == "user"
+        and not ours["failed"]
+        for stock in [newest(results, experiment="step-vs-trl", shape="1.5B", kind="stock", folder=ours["folder"])]
+        if stock is not None
+    ]
+    if side_by_side:
+        ours, stock = side_by_side[-1]
         step, stock_step = ours["summary"]["step_s"], stock["summary"]["step_s"]
         peak, stock_peak = ours["memory"]["peak_device_gib"], stock["memory"]["peak_device_gib"]
         where = f"1.5B, {device_name(ours)}"

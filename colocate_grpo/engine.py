@@ -185,7 +185,7 @@ class Engine:
         """
         with self.writing_weights():
             tensors = iter(named_tensors)
-            if not self.writes_in_place:
+            if not self._plain_weights:  # the packing itself, not whether a caller may write in place
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": tensors, "is_checkpoint_format": True}
                 )

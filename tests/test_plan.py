@@ -58,7 +58,11 @@ def test_the_yaml_and_the_direct_constructors_give_equal_plans(raw, serving):
         serve_adapter=serving is Serving.ADAPTER,
         sequence_tokens=longest + inputs.args.max_completion_length,
     )
-    assert direct == inputs.plan
+    # The memory each constructor finds free is read when it runs: after a full model moved to the device, less.
+    assert dataclasses.replace(direct, memory=None) == dataclasses.replace(inputs.plan, memory=None)
+    if inputs.plan.memory is not None:
+        parts = ("trainer_weights", "trainer_states", "engine_weights", "kv_cache", "engine_runtime", "activations")
+        assert all(getattr(direct.memory, part) == getattr(inputs.plan.memory, part) for part in parts)
 
 
 def test_steps_per_generation_sizes_the_engine_batch_and_the_kv_cache_together():
@@ -117,4 +121,4 @@ def test_the_plan_is_printed_and_written_as_plain_values():
     assert summary.startswith("Served as: merge-aware") and f"{plan.engine.max_num_seqs} sequences" in summary
     written = plan.to_dict()
     assert written["serving"] == "merge-aware" and written["engine"]["max_num_seqs"] == plan.engine.max_num_seqs
-    assert dataclasses.is_dataclass(plan) and plan.memory is None  # no memory plan on a CPU
+    assert dataclasses.is_dataclass(plan) and (plan.memory is None) is (plan.device == "cpu")  # a GPU's memory
