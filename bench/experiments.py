@@ -68,6 +68,14 @@ EXPERIMENTS = {
             micro_batch=8,
         ),
         Experiment(
+            "step-vs-unsloth",
+            "training",
+            "Unsloth as its GRPO notebooks run it (bf16 and 4-bit bases) against the user's config and stock TRL",
+            shapes=("1.5B", "7B"),
+            kinds=("unsloth", "unsloth-4bit", "user", "user-4bit", "stock"),
+            # No CPU check: Unsloth needs an accelerator.
+        ),
+        Experiment(
             "serving-ways",
             "training",
             "Each way of serving the policy a user picks by one key, and colocate_grpo on stock's PEFT model",

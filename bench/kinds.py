@@ -16,6 +16,9 @@ Kinds:
   key that serves the policy another way or computes the logits in fp32 (``USER_KEYS``).
 - ``ours``, ``ours-ma``, ``ours-adapter``: ``ColocateGRPOTrainer`` with stock's PEFT model and TRL arguments:
   ordinary LoRA merged, merge-aware LoRA, and the adapter served by vLLM's LoRA kernels.
+- ``unsloth``, ``unsloth-4bit``: Unsloth's patched ``GRPOTrainer`` as its GRPO notebooks run it (fast inference,
+  its own vLLM engine sharing the weights, standby on), on the bf16 base or on the 4-bit base it quantizes at load;
+  GPU only, in a process whose ``PYTHONPATH`` starts with ``$UNSLOTH_SITE`` when that is set.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ WARMUP_STEPS = 2  # steps left out of the medians: the first compiles and alloca
 GIB = 2**30
 PHASES = ("sync", "wake", "generate", "sleep")
 ENGINE_STARTED = "bench: engine started"  # printed once the trainer is built (run.py's --together waits for it)
+MAX_MODEL_LENGTH = 512  # stock TRL's engine's, as its colocate mode has it; Unsloth's max_seq_length the same
 
 
 @dataclass(frozen=True)
@@ -117,15 +121,9 @@ def build_user(spec: RunSpec) -> tuple[Any, Any]:
     return trainer, trainer.engine
 
 
-def grpo_args(spec: RunSpec) -> GRPOConfig:
-    """Stock TRL's settings for these runs (the ``ours*`` kinds take them too)."""
-    import torch
-    from trl import GRPOConfig
-
-    cuda = torch.cuda.is_available()
-    # TRL's fraction is of the whole device: on a simulated card, the same fraction of the card.
-    card_share = spec.card_gib * GIB / torch.cuda.mem_get_info()[1] if cuda and spec.card_gib else 1.0
-    return GRPOConfig(
+def batch_args(spec: RunSpec) -> dict[str, Any]:
+    """The ``GRPOConfig`` keys every TRL-based kind shares: the batch, the learning rate, the steps, logging."""
+    return dict(
         output_dir=str(Path(spec.workdir) / "run"),
         per_device_train_batch_size=spec.micro_batch,
         gradient_accumulation_steps=GENERATION_BATCH // spec.micro_batch,
@@ -136,15 +134,34 @@ def grpo_args(spec: RunSpec) -> GRPOConfig:
         logging_steps=1,
         save_strategy="no",
         report_to="none",
+        seed=0,
+    )
+
+
+def card_share(spec: RunSpec) -> float:
+    """The share of the device a simulated card is (1 on the whole device): an engine's memory fraction is of the
+    whole device, so on a simulated card it is scaled by this."""
+    import torch
+
+    return spec.card_gib * GIB / torch.cuda.mem_get_info()[1] if torch.cuda.is_available() and spec.card_gib else 1.0
+
+
+def grpo_args(spec: RunSpec) -> GRPOConfig:
+    """Stock TRL's settings for these runs (the ``ours*`` kinds take them too)."""
+    import torch
+    from trl import GRPOConfig
+
+    cuda = torch.cuda.is_available()
+    return GRPOConfig(
+        **batch_args(spec),
         bf16=cuda,
         use_cpu=not cuda,
         gradient_checkpointing=cuda,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_enable_sleep_mode=True,
-        vllm_gpu_memory_utilization=(0.1 if spec.tiny else 0.3) * card_share,
-        vllm_max_model_length=32 if spec.tiny else 512,
-        seed=0,
+        vllm_gpu_memory_utilization=(0.1 if spec.tiny else 0.3) * card_share(spec),
+        vllm_max_model_length=32 if spec.tiny else MAX_MODEL_LENGTH,
     )
 
 
@@ -215,6 +232,71 @@ def build_ours(spec: RunSpec) -> tuple[Any, Any]:
     return trainer, trainer.engine
 
 
+# All the linears of a Qwen2 layer, as Unsloth's notebooks list them (stock's "all-linear" is the same set).
+UNSLOTH_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_unsloth(spec: RunSpec) -> tuple[Any, Any]:
+    """Unsloth as its GRPO notebooks run it: ``FastLanguageModel`` with fast inference (its vLLM engine shares the
+    weights with training, standby frees only the KV cache), LoRA r=16 on all linears with its gradient
+    checkpointing, and its patched ``GRPOTrainer`` on the batch, reward and learning rate of the other kinds.
+    ``unsloth-4bit`` loads the bf16 files in 4 bits, as ``load_in_4bit=True`` does. The engine is the trainer's
+    ``vllm_generation.llm`` (Unsloth's engine, which TRL's ``VLLMGeneration`` takes instead of starting one)."""
+    try:
+        # First of the libraries it patches: importing unsloth rewrites transformers' and TRL's classes.
+        from unsloth import FastLanguageModel
+    except Exception as error:  # not only ImportError: without an accelerator it raises NotImplementedError
+        why = " ".join(f"{type(error).__name__}: {error}".split())
+        raise SystemExit(
+            f"bench: {spec.kind} needs Unsloth, and import unsloth failed ({why}); install it, or set UNSLOTH_SITE "
+            "to a folder that has it"
+        ) from None
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer  # Unsloth's patched classes, once unsloth is imported
+
+    share = card_share(spec)
+    if share < 1.0:
+        # Standby raises the engine's fraction to its own share of the whole device, more than a simulated card has.
+        os.environ["UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE"] = "1"
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=spec.model_path,
+        max_seq_length=MAX_MODEL_LENGTH,
+        load_in_4bit=spec.kind == "unsloth-4bit",
+        fast_inference=True,
+        max_lora_rank=16,
+        gpu_memory_utilization=0.9 * share,
+        random_state=0,
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        target_modules=UNSLOTH_TARGETS,
+        lora_alpha=32,  # stock's: the same LoRA scale on both sides
+        use_gradient_checkpointing="unsloth",
+        random_state=0,
+    )
+    # Unsloth turns on vLLM, its colocate mode and sleep mode itself when the model has its engine.
+    args = GRPOConfig(**batch_args(spec), use_vllm=True, bf16=True)
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[half_vocabulary_reward],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": benchmark_prompts(spec.model_path)}),
+    )
+    return trainer, trainer.vllm_generation.llm
+
+
+def unsloth_env() -> dict[str, str]:
+    """The Unsloth kinds' environment: standby on (read at import, so set before it), and ``$UNSLOTH_SITE``, when
+    set, ahead of ``PYTHONPATH``: Unsloth's own trl and datasets must shadow those installed beside vLLM."""
+    env = {"UNSLOTH_VLLM_STANDBY": "1"}
+    site = os.environ.get("UNSLOTH_SITE")
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(path for path in (site, os.environ.get("PYTHONPATH")) if path)
+    return env
+
+
 KINDS: dict[str, Kind] = {
     "stock": Kind("stock", "TRL's GRPOTrainer, colocate mode, PEFT LoRA, TRL's engine settings", build_stock),
     "stock-4bit": Kind("stock-4bit", "stock on the NF4 base a QLoRA user loads", build_stock),
@@ -226,6 +308,13 @@ KINDS: dict[str, Kind] = {
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
+    "unsloth": Kind(
+        "unsloth",
+        "Unsloth's GRPOTrainer as its notebooks run it: fast inference, standby",
+        build_unsloth,
+        env=unsloth_env(),
+    ),
+    "unsloth-4bit": Kind("unsloth-4bit", "unsloth with load_in_4bit=True", build_unsloth, env=unsloth_env()),
 }
 
 

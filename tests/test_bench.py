@@ -43,8 +43,8 @@ SCHEMA_KEYS = {
 }
 
 
-def run_bench(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRL_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
+def run_bench(args: list[str], cwd: Path, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRL_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
     )
@@ -91,3 +91,23 @@ def test_experiment_passes_its_cpu_check(name, tmp_path):
         if result["kind"] is not None:
             assert result["steps"] and result["summary"]["step_s"] > 0
             assert result["served_equals_trained"] is not False
+
+
+def test_an_unsloth_kind_without_unsloth_fails_in_one_line(tmp_path):
+    """Unsloth runs only on an accelerator; where ``import unsloth`` fails the run's ``failed`` says so in one line,
+    with no traceback. The failing package sits in ``UNSLOTH_SITE``, which the kind puts first on the path, so this
+    holds where Unsloth is installed too."""
+    site = tmp_path / "site" / "unsloth"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("raise ImportError('no accelerator here')\n")
+    out = tmp_path / "results"
+    args = ["step-vs-unsloth", "--kinds", "unsloth", "--shapes", "tiny", "--steps", "1", "--out-dir", str(out)]
+    done = run_bench([str(BENCH / "run.py"), *args], tmp_path, {"UNSLOTH_SITE": str(site.parent)})
+    assert done.returncode == 1, (done.stdout + done.stderr)[-3000:]
+    [result] = [json.loads(path.read_text()) for path in out.glob("*.json")]
+    assert result.keys() >= SCHEMA_KEYS and result["kind"] == "unsloth"
+    assert "Traceback" not in result["failed"]
+    assert (
+        result["failed"].strip().splitlines()[-1].startswith("bench: unsloth needs Unsloth, and import unsloth failed")
+    )
+    assert "no accelerator here" in result["failed"]
