@@ -11,7 +11,9 @@ number comes in as an argument.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -438,3 +440,14 @@ def out_of_memory_message(phase: str, plan: MemoryPlan | None, config: Config) -
     fixes += [f"a shorter trl.max_completion_length (now {config.max_completion_length})", "a smaller base_model"]
     lines.append("Fixes: " + "; ".join(fixes) + ".")
     return " ".join(lines)
+
+
+@contextlib.contextmanager
+def device_memory_errors(phase: str | Callable[[], str], plan: MemoryPlan | None, config: Config) -> Iterator[None]:
+    """Turn torch's out-of-memory error into one :class:`DeviceMemoryError` naming the phase and the fixes
+    (``phase``: a name, or what returns it once the error happened)."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        name = phase if isinstance(phase, str) else phase()
+        raise DeviceMemoryError(out_of_memory_message(name, plan, config)) from None

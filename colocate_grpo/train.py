@@ -7,12 +7,10 @@ addition with GRPO through a colocated vLLM engine, on CPU, in a few minutes.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,10 +24,9 @@ from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.engine_state import GenerationWorkerError
 from colocate_grpo.memory_plan import (
     DeviceMemoryError,
-    MemoryPlan,
     MemoryPlanError,
+    device_memory_errors,
     model_shape,
-    out_of_memory_message,
     refusal,
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
@@ -270,18 +267,6 @@ def build_trainer(
     return trainer
 
 
-@contextlib.contextmanager
-def device_memory_errors(phase: str | Callable[[], str], plan: MemoryPlan | None, config: Config) -> Iterator[None]:
-    """Turn torch's out-of-memory error into one :class:`DeviceMemoryError` naming the phase and the fixes."""
-    import torch
-
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        name = phase if isinstance(phase, str) else phase()
-        raise DeviceMemoryError(out_of_memory_message(name, plan, config)) from None
-
-
 def train(
     config: Config | str | Path | dict | None = None,
     callbacks: list | None = None,
@@ -326,10 +311,8 @@ def train(
     if live is not None:
         live.history = metrics.history
         trainer.add_callback(live)
-    clock = trainer.vllm_generation.clock
     try:
-        with device_memory_errors(lambda: clock.failed_phase or "train", trainer.plan.memory, config):
-            trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.train(resume_from_checkpoint=checkpoint)  # out of memory: a DeviceMemoryError naming the phase
         trainer.save_model(str(output_dir))
         if config.save_merged and is_main_process():
             save_merged(trainer.model, output_dir / "merged", trainer.processing_class)

@@ -29,6 +29,7 @@ from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.head import add_fp32_head
 from colocate_grpo.lora import RetainedUpdate
+from colocate_grpo.memory_plan import device_memory_errors
 from colocate_grpo.metrics import PhaseClock, PhaseMetrics
 from colocate_grpo.plan import RunPlan, plan_for_model
 from colocate_grpo.quantized import served_code_mismatches
@@ -400,6 +401,17 @@ class ColocateGRPOTrainer(GRPOTrainer):
     @property
     def engine(self) -> Engine:
         return self.vllm_generation.engine
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``train``. In a run built from a config (``build_trainer``: the CLI, ``train()``, notebooks), running
+        out of device memory raises a :class:`~colocate_grpo.memory_plan.DeviceMemoryError` naming the phase it
+        happened in (generate, sync, train, ...), the plan's numbers and the fixes, not torch's traceback."""
+        config = getattr(self, "run_config", None)
+        if config is None:  # direct use: the caller's own config names no keys to suggest
+            return super().train(*args, **kwargs)
+        clock = self.vllm_generation.clock
+        with device_memory_errors(lambda: clock.failed_phase or "train", self.plan.memory, config):
+            return super().train(*args, **kwargs)
 
     def close(self) -> None:
         """Shut the engine down and return its memory. Safe to call twice.

@@ -78,3 +78,38 @@ def test_interrupt_in_each_phase_then_train_again(tmp_path, monkeypatch, phase):
     result = train(tiny(tmp_path / "second"))
     assert live_engine() is engine
     assert [step for step, _ in result.metrics.series("reward")] == [1, 2, 3]
+
+
+class OutOfMemoryInTraining(TrainerCallback):
+    """What torch raises when the backward pass of step 2 does not fit on the device."""
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.parametrize("phase", ["generate", "train"])
+def test_running_out_of_memory_in_a_trainer_names_the_phase_and_the_fixes(tmp_path, monkeypatch, phase):
+    """Through build_trainer and trainer.train(), as a notebook or the benchmark runs it, not only the CLI."""
+    from colocate_grpo.memory_plan import DeviceMemoryError
+
+    trainer = build_trainer(tiny(tmp_path))
+    if phase == "train":
+        trainer.add_callback(OutOfMemoryInTraining())
+    else:
+        original, calls = trainer.vllm_generation.llm.generate, []
+
+        def generate(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(trainer.vllm_generation.llm, "generate", generate)
+    with pytest.raises(DeviceMemoryError) as raised:
+        trainer.train()
+    message = str(raised.value)
+    assert f"The device ran out of memory during '{phase}'." in message and "Fixes:" in message
+    assert ("micro_batch_size with more gradient_accumulation_steps" in message) is (phase == "train")
+    trainer.engine.sleep()
+    assert not trainer.engine.state.ready
