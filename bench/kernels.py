@@ -224,6 +224,15 @@ def graph_seconds(write: Callable[[], object], repeats: int = 20) -> float:
     return seconds(graph.replay, warmup=2, iters=repeats)
 
 
+def bandwidth_rows(ways: dict[str, Callable[[], object]], nbytes: int) -> list[dict[str, Any]]:
+    """Each way of writing the same ``nbytes`` bytes (read and written): its replay's seconds and GB/s."""
+    rows = []
+    for what, write in ways.items():
+        s = graph_seconds(write)
+        rows.append({"what": what, "bytes": nbytes, "s": s, "gb_per_s": nbytes / s / 1e9})
+    return rows
+
+
 def merge_rows(shape: str) -> list[dict[str, Any]]:
     """The fused merge of every LoRA linear against one copy of the same bytes (the bandwidth floor)."""
     from colocate_grpo.kernels import fused_merged_weight
@@ -249,11 +258,9 @@ def merge_rows(shape: str) -> list[dict[str, Any]]:
     def copy() -> None:
         floor_target.copy_(floor_source)
 
-    rows = []
-    for what, write in (("fused merge of every LoRA linear (in use)", merge), ("one copy of the same bytes", copy)):
-        s = graph_seconds(write)
-        rows.append({"what": what, "bytes": nbytes, "s": s, "gb_per_s": nbytes / s / 1e9})
-    return rows
+    return bandwidth_rows(
+        {"fused merge of every LoRA linear (in use)": merge, "one copy of the same bytes": copy}, nbytes
+    )
 
 
 def frozen_copy_rows(shape: str) -> list[dict[str, Any]]:
@@ -273,11 +280,9 @@ def frozen_copy_rows(shape: str) -> list[dict[str, Any]]:
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source)
 
-    rows = []
-    for what, write in (("embeddings and head by kernels.copy_by_kernel (in use)", by_kernel), ("copy_", by_copy)):
-        s = graph_seconds(write)
-        rows.append({"what": what, "bytes": nbytes, "s": s, "gb_per_s": nbytes / s / 1e9})
-    return rows
+    return bandwidth_rows(
+        {"embeddings and head by kernels.copy_by_kernel (in use)": by_kernel, "copy_": by_copy}, nbytes
+    )
 
 
 def adapter_write_rows(shape: str) -> list[dict[str, Any]]:

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Weights
 from colocate_grpo.engine_state import GenerationWorkerError
+from colocate_grpo.metrics import PhaseMetrics
 from colocate_grpo.plan import RunPlan, plan_for_model
 from colocate_grpo.serving import AsyncMode
 from colocate_grpo.trainer import ColocatedGeneration, ColocateGRPOTrainer
@@ -323,20 +323,6 @@ class Lookahead:
         return self._buffer[ahead]
 
 
-class OverlapMetrics(TrainerCallback):
-    """Feeds an :class:`OverlapClock` into the trainer's metrics once per optimizer step."""
-
-    def __init__(self, clock: OverlapClock, record: Callable[[dict[str, float]], None]) -> None:
-        self.clock = clock
-        self.record = record
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
-        self.clock.start_step()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
-        self.record(self.clock.end_step())
-
-
 class AsyncColocateGRPOTrainer(ColocateGRPOTrainer):
     """:class:`~colocate_grpo.trainer.ColocateGRPOTrainer` whose engine generates the next batch while it trains.
 
@@ -387,7 +373,7 @@ class AsyncColocateGRPOTrainer(ColocateGRPOTrainer):
         generation = self.vllm_generation
         generation.max_staleness = plan.asynchronous.max_staleness
         generation.version = lambda: self.state.global_step
-        self.add_callback(OverlapMetrics(generation.overlap, record=self._record_metrics))
+        self.add_callback(PhaseMetrics(generation.overlap, record=self._record_metrics))
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``; at its end (also by an exception or an interrupt) the batch in flight is waited for,

@@ -63,29 +63,24 @@ def run_settings(config: Config, serving: str) -> dict[str, Any]:
     return settings
 
 
-def _fsync_file(path: Path) -> None:
+def _sha256(path: Path, fsync: bool = False) -> str:
+    """The file's SHA-256; with ``fsync``, made durable through the same open file (one read of it, not two)."""
     with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if fsync:
+            os.fsync(f.fileno())
+    return digest
 
 
 def seal_checkpoint(folder: Path, step: int, settings: dict[str, Any] | None = None) -> None:
     """Write ``folder``'s manifest, after making every file in it durable: from then on it is complete."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    for path in files:
-        _fsync_file(path)
+    recorded = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p, fsync=True)} for p in files
+    }
     for directory in {p.parent for p in files}:
         fsync_directory(directory)
-    manifest = {
-        "step": step,
-        "written": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "files": {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-        "settings": settings,
-    }
+    manifest = {"step": step, "written": time.strftime("%Y-%m-%d %H:%M:%S"), "files": recorded, "settings": settings}
     write_atomically(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
     fsync_directory(folder.parent)
 

@@ -176,9 +176,10 @@ class PhaseClock:
 
 
 class PhaseMetrics(TrainerCallback):
-    """Feeds a :class:`PhaseClock` into the trainer's metrics once per optimizer step."""
+    """Feeds a per-step clock (a :class:`PhaseClock`, or anything with ``start_step()`` and ``end_step() -> dict``)
+    into the trainer's metrics once per optimizer step."""
 
-    def __init__(self, clock: PhaseClock, record: Any) -> None:
+    def __init__(self, clock: Any, record: Any) -> None:
         self.clock = clock
         self.record = record
 

@@ -324,6 +324,15 @@ def train(
     return TrainResult(output_dir, metrics, start, end, time.perf_counter() - started)
 
 
+# The errors the CLI reports in one line, without a traceback: what it prints before the message, and its exit code.
+_STOPS: dict[type[Exception], tuple[str, int]] = {
+    ConfigError: ("config error", 2),
+    DeviceMemoryError: ("out of memory", 1),
+    RewardError: ("reward error", 1),
+    GenerationWorkerError: ("generation error", 1),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m colocate_grpo.train", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -347,18 +356,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{options.config or DEFAULT_CONFIG}: OK")
             return 0
         result = train(config, plots=True)
-    except ConfigError as err:
-        print(f"colocate_grpo: config error: {err}", file=sys.stderr)
-        return 2
-    except DeviceMemoryError as err:
-        print(f"colocate_grpo: out of memory: {err}", file=sys.stderr)
-        return 1
-    except RewardError as err:
-        print(f"colocate_grpo: reward error: {err}", file=sys.stderr)
-        return 1
-    except GenerationWorkerError as err:
-        print(f"colocate_grpo: generation error: {err}", file=sys.stderr)
-        return 1
+    except tuple(_STOPS) as err:
+        what, code = next(stop for kind, stop in _STOPS.items() if isinstance(err, kind))
+        print(f"colocate_grpo: {what}: {err}", file=sys.stderr)
+        return code
     if is_main_process():  # the other ranks trained the same run; rank 0 logged it
         print(summary(result.metrics.history))
         print(result.summary() + f" Figure: {result.output_dir / 'dashboard.png'}")
