@@ -171,5 +171,24 @@ EXPERIMENTS = {
             check={"shapes": ("tiny",)},
             slow_check=False,
         ),
+        Experiment(
+            "training-step",
+            "kernel",
+            "One micro-batch's forward + backward as TRL computes it, by micro-batch and gradient checkpointing: "
+            "memory against the memory plan's estimate, seconds, model FLOPs utilization",
+            shapes=("1.5B", "7B"),
+            kinds=(),
+            check={"shapes": ("tiny",)},
+            slow_check=False,
+        ),
+        Experiment(
+            "generate-speed",
+            "kernel",
+            "The generation batch from a run's engine against its bandwidth floor; the device's busy share; with and "
+            "without log-probabilities, and at half the batch",
+            shapes=("1.5B", "7B"),
+            kinds=(),
+            check={"shapes": ("tiny",)},
+        ),
     ]
 }

@@ -361,11 +361,149 @@ def fp32_head_speed(shape: str) -> list[dict[str, Any]]:
     return rows
 
 
+def training_step(shape: str) -> list[dict[str, Any]]:
+    """One GRPO micro-batch's forward and backward as TRL computes it (the fused head, merge-aware LoRA r=16 on all
+    linears, AdamW), by micro-batch and gradient checkpointing: the step's device memory above the weights
+    against the memory plan's estimate, its seconds and model FLOPs utilization."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2ForCausalLM
+    from trl.trainer import add_fused_lm_head
+    from workload import COMPLETION_TOKENS, PROMPT_TOKENS, shape_config
+
+    from colocate_grpo import lora
+    from colocate_grpo.memory_plan import ModelShape, lora_parameters, training_activation_bytes, training_bytes
+
+    torch.manual_seed(0)
+    config = shape_config("1.5B") if shape == "tiny" else shape_config(shape)
+    if shape == "tiny":
+        for key, value in (TINY_MODEL | {"vocab_size": 1000}).items():
+            setattr(config, key, value)
+    with torch.device(device()):
+        base = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    add_fused_lm_head(base, outputs=("log_probs", "entropy"))
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=RANK * SCALING, target_modules="all-linear"))
+    lora.install_merge_aware(model)
+    model.enable_input_require_grads()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=device() == "cuda")
+    completion = 8 if shape == "tiny" else COMPLETION_TOKENS
+    sequence = PROMPT_TOKENS + completion
+    layers = config.num_hidden_layers
+    non_embedding = sum(p.numel() for n, p in base.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    head = config.vocab_size * config.hidden_size
+    plan_shape = ModelShape(
+        parameters=0,
+        linear_shapes=[],
+        layers=layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        kv_values_per_token=None,
+    )
+    _, states = training_bytes(lora_parameters(RANK, linear_shapes(shape) if shape != "tiny" else []), 4)
+    peak_flops = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+    def step(micro_batch: int) -> None:
+        ids = torch.randint(1, config.vocab_size, (micro_batch, sequence), device=device())
+        labels = ids.clone()
+        labels[:, :PROMPT_TOKENS] = -100
+        advantages = torch.randn(micro_batch, 1, device=device())
+        with torch.autocast(device(), dtype=torch.bfloat16):
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True)
+        logps = out.log_probs[:, -completion:]
+        ratio = torch.exp(logps - logps.detach())
+        (-(ratio * advantages).mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(1)  # AdamW's states exist from here on, as after a run's first step
+    rows = []
+    for checkpointing in (True, False):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        for micro_batch in (2,) if shape == "tiny" else (8, 16, 32, 64):
+            row: dict[str, Any] = {"gradient_checkpointing": checkpointing, "micro_batch": micro_batch}
+            estimate = training_activation_bytes(
+                plan_shape, torch.bfloat16, micro_batch, sequence, completion, checkpointing, False
+            )
+            row["plan_activations_gib"] = estimate / 2**30
+            try:
+                if device() == "cuda":
+                    torch.cuda.empty_cache()
+                    before = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                row["s"] = seconds(functools.partial(step, micro_batch), warmup=1, iters=3)
+            except torch.OutOfMemoryError:
+                row["out_of_memory"] = True
+                optimizer.zero_grad(set_to_none=True)
+                rows.append(row)
+                print(f"out of memory: {row}", flush=True)
+                continue
+            tokens = micro_batch * sequence
+            # Model FLOPs of LoRA training: forward and the backward through the activations (the frozen base
+            # has no weight gradients), 2 + 2 multiply-adds per weight and token; the head only on completions.
+            flops = 4 * (non_embedding * tokens + head * micro_batch * completion)
+            flops += 4 * 2 * layers * config.hidden_size * sequence**2 * micro_batch // 2  # causal attention
+            row["tokens_per_s"] = tokens / row["s"]
+            name = torch.cuda.get_device_name() if device() == "cuda" else ""
+            peak = next((value for key, value in peak_flops.items() if key in name), None)
+            row["mfu"] = flops / row["s"] / peak if peak else None
+            if device() == "cuda":
+                row["measured_above_weights_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+                row["plan_above_weights_gib"] = (estimate + states // 3) / 2**30  # activations and LoRA gradients
+                row["measured_over_plan"] = row["measured_above_weights_gib"] / row["plan_above_weights_gib"]
+            rows.append(row)
+    return rows
+
+
+def generate_speed(shape: str) -> list[dict[str, Any]]:
+    """The benchmark's generation batch (64 sequences of up to 256 tokens) from a run's engine, as TRL samples it,
+    against the bandwidth floor (each decode step reads the weights once); the profiler's device-busy share; with
+    and without the sampled tokens' log-probabilities, and at other batch sizes."""
+    from pathlib import Path
+
+    from vllm import SamplingParams
+    from workload import COMPLETION_TOKENS, GENERATION_BATCH, benchmark_prompts, build_model
+
+    from colocate_grpo.engine import Engine
+    from colocate_grpo.plan import standalone_engine
+
+    path = build_model(shape, Path("/tmp/bench_models"))
+    tokens = 4 if shape == "tiny" else COMPLETION_TOKENS
+    prompts = benchmark_prompts(path)[:GENERATION_BATCH]
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    bandwidth = {"H100": 3.35e12, "H200": 4.8e12}
+    name = torch.cuda.get_device_name() if device() == "cuda" else ""
+    floor = next((tokens * weights / value for key, value in bandwidth.items() if key in name), None)
+    rows = []
+    with Engine(standalone_engine(path, max_num_seqs=GENERATION_BATCH)) as engine:
+
+        def generate(batch: int, logprobs: int | None) -> Callable[[], object]:
+            params = SamplingParams(n=1, temperature=1.0, max_tokens=tokens, logprobs=logprobs, detokenize=False)
+            return lambda: engine.generate((prompts * 4)[:batch], params)
+
+        for batch, logprobs in ((GENERATION_BATCH, 0), (GENERATION_BATCH, None), (GENERATION_BATCH // 2, 0)):
+            wall = seconds(generate(batch, logprobs), warmup=1, iters=3)
+            generated = sum(len(o.outputs[0].token_ids) for o in generate(batch, logprobs)())
+            row = {"batch": batch, "logprobs": logprobs, "s": wall, "tokens_per_s": generated / wall}
+            if floor and batch == GENERATION_BATCH:
+                row["over_bandwidth_floor"] = wall / floor
+            rows.append(row)
+        busy = kernel_seconds(generate(GENERATION_BATCH, 0), iters=1)
+        if busy is not None:
+            rows.append({"what": "device busy share", "kernel_s": busy, "share": busy / rows[0]["s"]})
+    return rows
+
+
 MICROBENCHMARKS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
     "lora-speed": lora_speed,
     "merge-in-place": merge_in_place,
     "sync-kernels": sync_kernels,
     "fp32-head-speed": fp32_head_speed,
+    "training-step": training_step,
+    "generate-speed": generate_speed,
 }
 
 
