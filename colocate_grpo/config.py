@@ -228,13 +228,24 @@ class Config:
         metadata={"help": "Optimizer steps; -1 trains for trl.num_train_epochs of the dataset (TRL's way)."},
     )
     micro_batch_size: int = field(
-        default=8, metadata={"help": "Completions per device per forward pass (TRL's per_device_train_batch_size)."}
+        default=8,
+        metadata={
+            "help": "Completions per device per forward pass (TRL's per_device_train_batch_size). The most the "
+            "trainer takes at once: where training's activations would not fit the device, the run plan halves "
+            "it and doubles gradient_accumulation_steps until they do (the generation batch and the update stay "
+            "the same), and says so at start."
+        },
     )
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     max_prompt_length: int = field(default=512, metadata={"help": "Longest prompt in tokens (sizes the engine)."})
-    gradient_checkpointing: bool = field(
-        default=True,
-        metadata={"help": "Recompute activations in the backward pass: less memory, some more time (TRL's default)."},
+    gradient_checkpointing: bool | Literal["auto"] = field(
+        default="auto",
+        metadata={
+            "help": "Recompute activations in the backward pass: less memory, about half again the training "
+            "time with LoRA. auto: off where the run plan finds that training's activations fit the device "
+            "without it (at micro_batch_size or a smaller micro-batch that keeps the GPU busy), else on; on "
+            "where there is no device memory plan (CPU). TRL's default is true."
+        },
     )
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
     resume_from_checkpoint: str | None = field(

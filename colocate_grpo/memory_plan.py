@@ -200,7 +200,11 @@ class MemoryPlan:
             the values whose change needs more than a byte, which stay on the device.
         kv_cache: the engine's KV cache, sized to the generation batch at full length.
         engine_runtime: vLLM's forward activations and, with CUDA graphs, the graphs' memory.
-        activations: an estimate of training's activations for one micro-batch (not a bound).
+        activations: training's activations for one micro-batch, its head and loss included
+            (:func:`training_activation_bytes`, checked against measured peaks by the benchmark's
+            ``training-step`` experiment).
+        asleep: the engine's bytes that stay on the device while it sleeps and the trainer trains: the
+            weights where they are the trainer's base (one shared copy), and its CUDA graphs.
         free, total: the device's free and total bytes.
         overlapped: whether the engine generates while the trainer trains (``async_generation``): then
             training's activations live beside the KV cache, and count towards the peak.
@@ -216,6 +220,7 @@ class MemoryPlan:
     activations: int
     free: int
     total: int
+    asleep: int = 0
     overlapped: bool = False
 
     @property
@@ -225,15 +230,21 @@ class MemoryPlan:
         return trainer + self.engine_weights + self.merge_record + self.kv_cache + self.engine_runtime
 
     @property
+    def training_peak(self) -> int:
+        """Bytes on the device while the trainer trains and the engine sleeps (its KV cache freed)."""
+        return self.trainer_weights + self.trainer_states + self.asleep + self.activations
+
+    @property
     def peak(self) -> int:
-        """Bytes on the device at the run's peak: while the engine generates, and, where it generates while the
-        trainer trains, training's activations (estimated) on top."""
-        return self.generation_peak + (self.activations if self.overlapped else 0)
+        """Bytes on the device at the run's peak: the larger of generation's and training's, or, where the engine
+        generates while the trainer trains, both at once."""
+        if self.overlapped:
+            return self.generation_peak + self.activations
+        return max(self.generation_peak, self.training_peak)
 
     @property
     def fits(self) -> bool:
-        """Whether the peak fits in the free memory: the known parts, and training's activations where they live
-        beside the engine's KV cache (``overlapped``)."""
+        """Whether the peak fits in the free memory."""
         return self.peak <= self.free
 
     def summary(self) -> str:
@@ -253,9 +264,9 @@ class MemoryPlan:
         return (
             f"Memory plan: trainer {g(self.trainer_weights)} weights + {g(self.trainer_states)} gradients and "
             f"optimizer, engine {g(self.engine_weights)} weights{record} + {g(self.kv_cache)} KV cache + "
-            f"{g(self.engine_runtime)} runtime = {g(self.generation_peak)} GiB while generating, of "
-            f"{g(self.free)} GiB free ({g(self.total)} GiB device); training activations about "
-            f"{g(self.activations)} GiB."
+            f"{g(self.engine_runtime)} runtime = {g(self.generation_peak)} GiB while generating; "
+            f"{g(self.training_peak)} GiB while training (activations {g(self.activations)}, the engine's "
+            f"{g(self.asleep)} kept asleep); of {g(self.free)} GiB free ({g(self.total)} GiB device)."
         )
 
 
@@ -274,6 +285,7 @@ def plan_memory(
     activations: int,
     free: int,
     total: int,
+    engine_weights_stay: bool = True,
     host_free: int | None = None,
     overlapped: bool = False,
 ) -> MemoryPlan:
@@ -282,7 +294,9 @@ def plan_memory(
     Args:
         merged_weights: how many base weights a merged sync overwrites in place (0 where nothing is merged
             into a shared base); the record that restores them takes about a byte each.
-        cuda_graphs: whether the engine captures CUDA graphs (their memory is counted).
+        cuda_graphs: whether the engine captures CUDA graphs (their memory is counted; they stay while it sleeps).
+        engine_weights_stay: whether the engine's weights stay on the device while it sleeps (they are the
+            trainer's base), rather than being freed.
         host_free: host memory available, in bytes. Where the merge record would not fit on the device and
             its byte per merged weight fits in the host memory that loading the model leaves, the plan keeps
             it there (``MemoryPlan.merge_record_host``), also when the device is short even so. None: the
@@ -300,6 +314,7 @@ def plan_memory(
         activations=activations,
         free=free,
         total=total,
+        asleep=(engine_weights if engine_weights_stay else 0) + (CUDA_GRAPH_BYTES if cuda_graphs else 0),
         overlapped=overlapped,
     )
     if plan.fits or not merged_weights or host_free is None:

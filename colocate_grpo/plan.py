@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -46,6 +46,9 @@ from colocate_grpo.serving import AsyncMode, Serving
 MIN_NUM_SEQS = 64
 # The adapter ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Tokens a micro-batch needs to keep the GPU's matmuls busy: below it, a smaller micro-batch without gradient
+# checkpointing is no longer the faster choice (the benchmark's training-step experiment).
+BUSY_MICRO_BATCH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,42 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class TrainingPlan:
+    """How the trainer runs its forward and backward passes: TRL's batch arguments, decided by the plan.
+
+    Attributes:
+        micro_batch_size: completions per forward and backward (``per_device_train_batch_size``).
+        gradient_accumulation_steps, steps_per_generation: TRL's; their product with the micro-batch is
+            the generation batch and the optimizer step, which the plan never changes.
+        gradient_checkpointing: recompute activations in the backward pass.
+        changed: what the plan changed of what the run asked for, and why (None: nothing).
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    gradient_checkpointing: bool
+    changed: str | None = field(default=None, compare=False)
+
+    def describe(self) -> str:
+        """One line: the micro-batches and checkpointing, and what the plan changed."""
+        line = (
+            f"Training: micro-batches of {self.micro_batch_size}, {self.gradient_accumulation_steps} per "
+            f"optimizer step, gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}."
+        )
+        return line if self.changed is None else f"{line} {self.changed}"
+
+    def grpo_arguments(self) -> dict[str, Any]:
+        """The ``GRPOConfig`` arguments that carry this plan."""
+        return {
+            "per_device_train_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "steps_per_generation": self.steps_per_generation,
+            "gradient_checkpointing": self.gradient_checkpointing,
+        }
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """The device's free and total bytes before the model loads, and the host memory available."""
 
@@ -140,6 +179,7 @@ class RunPlan:
             trainer records whether the layouts allowed it.
         merge_aware: the merge-aware LoRA dtype (``"bf16"``, ``"fp16"``), or None for ordinary LoRA.
         engine: the engine the run needs.
+        training: the trainer's micro-batches and gradient checkpointing.
         memory: the device memory plan on a GPU, else None.
         asynchronous: asynchronous generation's settings, or None: generate, then train.
     """
@@ -150,6 +190,7 @@ class RunPlan:
     shared_base: bool
     merge_aware: str | None
     engine: EngineSpec
+    training: TrainingPlan
     memory: MemoryPlan | None
     asynchronous: AsyncMode | None = None
 
@@ -176,6 +217,7 @@ class RunPlan:
         ]
         if self.asynchronous is not None:
             lines.append(f"Generation: {self.asynchronous.describe()}")
+        lines.append(self.training.describe())
         if self.memory is not None:
             lines.append(self.memory.summary())
         return "\n".join(lines)
@@ -195,6 +237,7 @@ class RunPlan:
                     for name in ("max_num_seqs", "sequence_tokens", "memory_fraction", "kv_cache_bytes", "seed")
                 },
             },
+            "training": dataclasses.asdict(self.training),
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
             # Only where the run generates asynchronously: a sequential run's plan.yaml stays as it was.
             **({} if self.asynchronous is None else {"async_generation": dataclasses.asdict(self.asynchronous)}),
@@ -295,6 +338,8 @@ def plan_run(
         lora=lora,
         sequence_tokens=prompt + args.max_completion_length,
         memory=memory,
+        checkpointing=None if config.gradient_checkpointing == "auto" else config.gradient_checkpointing,
+        smaller_micro_batches=True,
         asynchronous=AsyncMode(config.max_staleness) if config.async_generation else None,
     )
 
@@ -379,6 +424,9 @@ def plan_for_model(
         lora=lora,
         sequence_tokens=sequence_tokens,
         memory=read_device_memory() if device == "cuda" else None,
+        # A direct user's GRPOConfig is taken as written: the plan reports whether it fits.
+        checkpointing=bool(args.gradient_checkpointing),
+        smaller_micro_batches=False,
         asynchronous=asynchronous,
     )
 
@@ -396,9 +444,15 @@ def _derive(
     lora: _Lora | None,
     sequence_tokens: int | None,
     memory: DeviceMemory | None,
+    checkpointing: bool | None,
+    smaller_micro_batches: bool,
     asynchronous: AsyncMode | None = None,
 ) -> RunPlan:
-    """The plan both constructors end in: every derived setting, from explicit inputs."""
+    """The plan both constructors end in: every derived setting, from explicit inputs.
+
+    ``checkpointing`` is the run's gradient checkpointing (None: the plan decides); with ``smaller_micro_batches``
+    the plan may split ``args``'s micro-batch into smaller ones where training's activations would not fit.
+    """
     four_bit = serving is Serving.QUANTIZED_BASE
     fp32_head = bool(args.cast_lm_head_to_fp32)
     spec, kv, engine_weights = _size_engine(
@@ -420,13 +474,31 @@ def _derive(
         total=memory.total if memory else None,
     )
     sequence_tokens = spec.sequence_tokens
-    memory_plan = None
-    if device == "cuda" and memory is not None and shape is not None and engine_weights is not None:
-        if lora is not None:  # the base is the engine's copy: the trainer adds only its adapter
-            trainer_weights, states = training_bytes(lora.parameters, LORA_ITEMSIZE)
-        else:
-            trainer_weights, states = training_bytes(shape.parameters, dtype.itemsize)
-        memory_plan = plan_memory(
+    requested = TrainingPlan(
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        steps_per_generation=args.steps_per_generation,
+        gradient_checkpointing=True if checkpointing is None else checkpointing,
+    )
+    if device != "cuda" or memory is None or shape is None or engine_weights is None:
+        return RunPlan(
+            device=device,
+            dtype=dtype,
+            serving=serving,
+            shared_base=serving.lora,
+            merge_aware=merge_aware,
+            engine=spec,
+            training=requested,
+            memory=None,
+            asynchronous=asynchronous,
+        )
+    if lora is not None:  # the base is the engine's copy: the trainer adds only its adapter
+        trainer_weights, states = training_bytes(lora.parameters, LORA_ITEMSIZE)
+    else:
+        trainer_weights, states = training_bytes(shape.parameters, dtype.itemsize)
+
+    def memory_plan(training: TrainingPlan) -> MemoryPlan:
+        return plan_memory(
             trainer_weights=trainer_weights,
             trainer_states=states,
             engine_weights=engine_weights,
@@ -436,18 +508,24 @@ def _derive(
             activations=training_activation_bytes(
                 shape,
                 dtype,
-                args.per_device_train_batch_size,
+                training.micro_batch_size,
                 sequence_tokens or 0,
                 args.max_completion_length,
-                bool(args.gradient_checkpointing),
+                training.gradient_checkpointing,
                 fp32_head,
             ),
             free=memory.free,
             total=memory.total,
+            # A LoRA run's base is the engine's weights: they stay while the engine sleeps.
+            engine_weights_stay=lora is not None,
             host_free=memory.host_free,
             # The engine generates while the trainer trains: its KV cache stays awake beside training's activations.
             overlapped=asynchronous is not None,
         )
+
+    training = requested
+    if checkpointing is None or smaller_micro_batches:
+        training = _fitting_training(requested, memory_plan, checkpointing, smaller_micro_batches, sequence_tokens)
     return RunPlan(
         device=device,
         dtype=dtype,
@@ -455,9 +533,56 @@ def _derive(
         shared_base=serving.lora,
         merge_aware=merge_aware,
         engine=spec,
-        memory=memory_plan,
+        training=training,
+        memory=memory_plan(training),
         asynchronous=asynchronous,
     )
+
+
+def _fitting_training(
+    requested: TrainingPlan,
+    memory_plan: Any,
+    checkpointing: bool | None,
+    smaller_micro_batches: bool,
+    sequence_tokens: int | None,
+) -> TrainingPlan:
+    """The fastest way of training the ``requested`` batch whose memory plan (``memory_plan(training)``) fits.
+
+    Without gradient checkpointing a LoRA step takes about two thirds of the time, so where ``checkpointing``
+    is None (auto) it is off at the requested micro-batch, or at a halved one (the accumulation doubled) as long
+    as a micro-batch keeps ``BUSY_MICRO_BATCH_TOKENS`` tokens; else on, at the largest micro-batch that fits.
+    Where nothing fits, the requested batch (checkpointing on, where auto), for the refusal's numbers.
+    """
+    sizes = [requested.micro_batch_size]
+    while smaller_micro_batches and sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    tokens = sequence_tokens or 0
+    candidates = [(checkpointing, size) for size in sizes] if checkpointing is not None else []
+    if checkpointing is None:
+        candidates = [(False, size) for size in sizes if size == sizes[0] or size * tokens >= BUSY_MICRO_BATCH_TOKENS]
+        candidates += [(True, size) for size in sizes]
+    for checkpoint, size in candidates:
+        factor = requested.micro_batch_size // size
+        training = TrainingPlan(
+            micro_batch_size=size,
+            gradient_accumulation_steps=requested.gradient_accumulation_steps * factor,
+            steps_per_generation=requested.steps_per_generation * factor,
+            gradient_checkpointing=checkpoint,
+        )
+        plan = memory_plan(training)
+        if not plan.fits and plan.generation_peak > plan.free:
+            break  # generation does not fit: no way of training helps
+        if plan.fits:
+            if size == requested.micro_batch_size:
+                return training
+            whole = memory_plan(dataclasses.replace(requested, gradient_checkpointing=checkpoint))
+            return dataclasses.replace(
+                training,
+                changed=f"(micro_batch_size {requested.micro_batch_size} would need {_size(whole.training_peak)} "
+                f"while training, of {_size(plan.free)} free: the same sequences train in {factor} times as many "
+                "micro-batches.)",
+            )
+    return requested
 
 
 def standalone_engine(

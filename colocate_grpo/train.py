@@ -31,7 +31,7 @@ from colocate_grpo.memory_plan import (
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
 from colocate_grpo.output_dir import check_output_dir
-from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
+from colocate_grpo.plan import RunPlan, TrainingPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
 from colocate_grpo.validation import precision_problems
@@ -72,8 +72,11 @@ class TrainResult:
 USER_SETTABLE_ARGS = ("bf16", "fp16", "report_to", "save_strategy", "ddp_find_unused_parameters")
 
 
-def grpo_args(config: Config, device: str, dtype: Any) -> Any:
+def grpo_args(config: Config, device: str, dtype: Any, training: TrainingPlan | None = None) -> Any:
     """The TRL GRPOConfig for a run: our top-level keys, the vllm: block, then the trl: block.
+
+    ``training`` is the run plan's micro-batches and gradient checkpointing; None (before the run is planned):
+    as the config asks, gradient checkpointing on where it says ``auto``.
 
     Raises:
         ConfigError: when TRL's GRPOConfig refuses the settings (its own checks), with TRL's message.
@@ -88,7 +91,7 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
         max_steps=config.max_steps,  # -1: TRL trains for trl.num_train_epochs
         per_device_train_batch_size=config.micro_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        gradient_checkpointing=config.gradient_checkpointing,
+        gradient_checkpointing=config.gradient_checkpointing is not False,
         logging_steps=config.logging_steps,
         save_strategy="steps" if config.save_steps else "no",
         save_steps=config.save_steps or 500,
@@ -103,6 +106,10 @@ def grpo_args(config: Config, device: str, dtype: Any) -> Any:
         # The engine's token budget per sequence as the user set it; the plan caps it at the model's context.
         vllm_max_model_length=config.vllm.max_model_len or config.max_prompt_length + config.max_completion_length,
     )
+    if training is not None:
+        ours |= training.grpo_arguments()
+        trl_settings.pop("steps_per_generation", None)  # the plan's, derived from it
+        trl_settings.pop("generation_batch_size", None)
     for key in USER_SETTABLE_ARGS:
         if key in trl_settings:
             value = trl_settings.pop(key)
@@ -209,7 +216,7 @@ def check_inputs(config: Config) -> RunInputs:
         raise MemoryPlanError(refusal(plan.memory, config, plan.serving.serves_adapter))
     if is_main_process():
         print(plan.summary())
-    return RunInputs(rewards, path, tokenizer, dataset, args, plan)
+    return RunInputs(rewards, path, tokenizer, dataset, grpo_args(config, device, dtype, plan.training), plan)
 
 
 def build_trainer(
