@@ -38,6 +38,9 @@ LORA_ITEMSIZE = 4
 # A 4-bit base's linear weights: two NF4 codes a byte, and vLLM's fp32 scale per block of 64 weights (the trainer
 # computes with the same). Embeddings, head and norms stay in the model's dtype.
 _NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
+# The backward of a decoder layer holds its activations' gradients beside what the layer kept, about half as much
+# again (the benchmark's training-step experiment measures it).
+_BACKWARD_WORKING = 0.5
 # TRL's fused head scores a micro-batch's completion tokens in tiles of this many tokens and vocabulary entries
 # (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
 _HEAD_TILE_TOKENS, _HEAD_TILE_VOCAB = 4096, 32768
@@ -360,19 +363,27 @@ def training_activation_bytes(
     gradient_checkpointing: bool,
     fp32_head: bool,
 ) -> int:
-    """A rough estimate of one micro-batch's activations in the trainer's forward and backward, in bytes.
+    """Training's activations for one micro-batch at their peak, in the backward pass, in bytes.
 
-    Per token and layer, a decoder layer keeps about 12 hidden-sized and 3 intermediate-sized
-    tensors for its backward (gradient checkpointing: one hidden-sized tensor, plus one layer's
-    worth recomputed). The head adds its working memory (:func:`head_bytes`).
+    What a decoder layer keeps for its backward, per token (:func:`layer_activation_bytes`), for every layer,
+    or with gradient checkpointing each layer's input and one layer's worth recomputed; the backward of the
+    layer it is in adds its gradients' working memory (``_BACKWARD_WORKING``). The head adds its own
+    (:func:`head_bytes`).
     """
     tokens = micro_batch * sequence_tokens
-    per_layer = (12 * shape.hidden_size + 3 * shape.intermediate_size) * dtype.itemsize
+    layer = tokens * layer_activation_bytes(shape, dtype)
     if gradient_checkpointing:
-        layers = tokens * (shape.layers * shape.hidden_size * dtype.itemsize + per_layer)
+        kept = tokens * shape.layers * shape.hidden_size * dtype.itemsize + layer
     else:
-        layers = tokens * shape.layers * per_layer
-    return layers + head_bytes(shape, dtype, micro_batch * completion_tokens, fp32_head)
+        kept = shape.layers * layer
+    return int(kept + _BACKWARD_WORKING * layer) + head_bytes(shape, dtype, micro_batch * completion_tokens, fp32_head)
+
+
+def layer_activation_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    """Bytes a decoder layer keeps for its backward, per token: the inputs of its projections and of attention
+    (queries, keys, values, output) and of the gated MLP's products, about 7 hidden-sized and 4
+    intermediate-sized tensors in ``dtype``, and its two RMSNorms' inputs and normalized values in fp32."""
+    return (7 * shape.hidden_size + 4 * shape.intermediate_size) * dtype.itemsize + 2 * 2 * 4 * shape.hidden_size
 
 
 def head_bytes(shape: ModelShape, dtype: torch.dtype, completion_tokens: int, fp32_head: bool) -> int:

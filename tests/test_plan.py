@@ -9,7 +9,16 @@ from transformers import AutoModelForCausalLM
 from colocate_grpo import models
 from colocate_grpo.config import load_config
 from colocate_grpo.memory_plan import GIB, ModelShape, engine_bytes, kv_cache_bytes, model_shape
-from colocate_grpo.plan import MIN_NUM_SEQS, DeviceMemory, merge_aware_mode, plan_for_model, plan_run, serving_of
+from colocate_grpo.plan import (
+    BUSY_MICRO_BATCH_TOKENS,
+    MIN_NUM_SEQS,
+    DeviceMemory,
+    TrainingPlan,
+    merge_aware_mode,
+    plan_for_model,
+    plan_run,
+    serving_of,
+)
 from colocate_grpo.serving import Serving
 from colocate_grpo.tiny import tiny_model_path
 from colocate_grpo.train import check_inputs, grpo_args
@@ -122,3 +131,79 @@ def test_the_plan_is_printed_and_written_as_plain_values():
     written = plan.to_dict()
     assert written["serving"] == "merge-aware" and written["engine"]["max_num_seqs"] == plan.engine.max_num_seqs
     assert dataclasses.is_dataclass(plan) and (plan.memory is None) is (plan.device == "cpu")  # a GPU's memory
+
+
+def _qwen_shape(size: str) -> ModelShape:
+    from transformers import Qwen2Config
+
+    from colocate_grpo.memory_plan import shape_of
+
+    hidden, intermediate, heads, kv_heads = {"1.5B": (1536, 8960, 12, 2), "7B": (3584, 18944, 28, 4)}[size]
+    config = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=28,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    )
+    return shape_of(config)
+
+
+def _plan_on_card(raw, card_gib, size="7B"):
+    config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 256}, **raw})
+    args = grpo_args(config, "cpu", torch.bfloat16)
+    memory = DeviceMemory(int(card_gib * GIB), int(card_gib * GIB), host_free=64 * GIB)
+    plan = plan_run(
+        config,
+        args,
+        model_path="-",
+        device="cuda",
+        dtype=torch.bfloat16,
+        shape=_qwen_shape(size),
+        longest_prompt=32,
+        memory=memory,
+    )
+    return config, plan
+
+
+def test_a_micro_batch_that_does_not_fit_is_split_and_the_generation_batch_stays():
+    config, plan = _plan_on_card({}, 24)
+    training = plan.training
+    assert plan.memory.fits and training.micro_batch_size < 64
+    assert training.micro_batch_size * training.gradient_accumulation_steps == 64
+    assert training.micro_batch_size * training.steps_per_generation == 64 == plan.engine.max_num_seqs
+    assert "micro_batch_size 64 would need" in plan.summary()
+    # TRL gets the plan's batch: the same generation batch and optimizer step, in smaller micro-batches.
+    args = grpo_args(config, "cpu", torch.bfloat16, training)
+    assert args.per_device_train_batch_size == training.micro_batch_size and args.generation_batch_size == 64
+    assert args.gradient_checkpointing is training.gradient_checkpointing
+
+
+def test_gradient_checkpointing_is_off_where_training_fits_without_it():
+    _, roomy = _plan_on_card({}, 80, size="1.5B")
+    assert roomy.training == TrainingPlan(64, 1, 1, gradient_checkpointing=False)
+    _, asked = _plan_on_card({"gradient_checkpointing": True}, 80, size="1.5B")
+    assert asked.training == TrainingPlan(64, 1, 1, gradient_checkpointing=True)
+    # At 7B a busy micro-batch without checkpointing fits an 80 GiB card; a 24 GiB one needs checkpointing.
+    _, split = _plan_on_card({}, 80)
+    assert not split.training.gradient_checkpointing and split.memory.fits
+    assert split.training.micro_batch_size * (32 + 256) >= BUSY_MICRO_BATCH_TOKENS
+    _, tight = _plan_on_card({}, 24)
+    assert tight.training.gradient_checkpointing and tight.memory.fits
+    # Asked never to checkpoint, the plan splits the batch further instead.
+    _, never = _plan_on_card({"gradient_checkpointing": False}, 24)
+    assert not never.training.gradient_checkpointing and never.memory.fits
+    assert never.training.micro_batch_size < tight.training.micro_batch_size
+
+
+def test_a_run_whose_generation_does_not_fit_is_refused_at_the_batch_it_asked_for():
+    _, plan = _plan_on_card({}, 12)
+    assert not plan.memory.fits and plan.training.micro_batch_size == 64
+    assert plan.memory.generation_peak > plan.memory.free
+
+
+def test_on_a_cpu_the_plan_takes_the_batch_as_written_with_checkpointing_on_for_auto():
+    plan = check_inputs(load_config({**TINY, "micro_batch_size": 16})).plan
+    assert plan.training == TrainingPlan(16, 1, 1, gradient_checkpointing=True)
