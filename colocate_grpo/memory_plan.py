@@ -459,7 +459,7 @@ def out_of_memory_message(phase: str, plan: MemoryPlan | None, config: Config) -
         lines.append(plan.summary())
     batch = f"{config.micro_batch_size} x {config.gradient_accumulation_steps}"
     if phase == "train":
-        fixes = [] if config.gradient_checkpointing else ["'gradient_checkpointing: true'"]
+        fixes = [] if config.gradient_checkpointing is True else ["'gradient_checkpointing: true'"]
         fixes.append(f"a smaller micro_batch_size with more gradient_accumulation_steps (now {batch})")
     else:
         fixes = [f"a smaller generation batch (micro_batch_size x gradient_accumulation_steps, now {batch})"]
