@@ -46,9 +46,11 @@ from colocate_grpo.serving import AsyncMode, Serving
 MIN_NUM_SEQS = 64
 # The adapter ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# Tokens a micro-batch needs to keep the GPU's matmuls busy: below it, a smaller micro-batch without gradient
-# checkpointing is no longer the faster choice (the benchmark's training-step experiment).
-BUSY_MICRO_BATCH_TOKENS = 2048
+# Hidden-state values (tokens x hidden size) a micro-batch needs to keep the GPU's matmuls busy. On an H100 a
+# micro-batch without gradient checkpointing trains faster than checkpointed micro-batches of 64 sequences from
+# 16 sequences of 288 tokens at the 1.5B shape (7.1M values; 8 sequences, 3.5M, are 1.9x slower a sequence) and
+# from 8 at 7B (8.3M): the benchmark's training-step experiment.
+BUSY_MICRO_BATCH_VALUES = 6_000_000
 
 
 @dataclass(frozen=True)
@@ -525,7 +527,8 @@ def _derive(
 
     training = requested
     if checkpointing is None or smaller_micro_batches:
-        training = _fitting_training(requested, memory_plan, checkpointing, smaller_micro_batches, sequence_tokens)
+        values = (sequence_tokens or 0) * shape.hidden_size  # a sequence's hidden states
+        training = _fitting_training(requested, memory_plan, checkpointing, smaller_micro_batches, values)
     return RunPlan(
         device=device,
         dtype=dtype,
@@ -544,22 +547,24 @@ def _fitting_training(
     memory_plan: Any,
     checkpointing: bool | None,
     smaller_micro_batches: bool,
-    sequence_tokens: int | None,
+    values_per_sequence: int,
 ) -> TrainingPlan:
     """The fastest way of training the ``requested`` batch whose memory plan (``memory_plan(training)``) fits.
 
     Without gradient checkpointing a LoRA step takes about two thirds of the time, so where ``checkpointing``
     is None (auto) it is off at the requested micro-batch, or at a halved one (the accumulation doubled) as long
-    as a micro-batch keeps ``BUSY_MICRO_BATCH_TOKENS`` tokens; else on, at the largest micro-batch that fits.
+    as a micro-batch's hidden states keep ``BUSY_MICRO_BATCH_VALUES`` values (``values_per_sequence`` a sequence);
+    else on, at the largest micro-batch that fits.
     Where nothing fits, the requested batch (checkpointing on, where auto), for the refusal's numbers.
     """
     sizes = [requested.micro_batch_size]
     while smaller_micro_batches and sizes[-1] % 2 == 0:
         sizes.append(sizes[-1] // 2)
-    tokens = sequence_tokens or 0
     candidates = [(checkpointing, size) for size in sizes] if checkpointing is not None else []
     if checkpointing is None:
-        candidates = [(False, size) for size in sizes if size == sizes[0] or size * tokens >= BUSY_MICRO_BATCH_TOKENS]
+        candidates = [
+            (False, size) for size in sizes if size == sizes[0] or size * values_per_sequence >= BUSY_MICRO_BATCH_VALUES
+        ]
         candidates += [(True, size) for size in sizes]
     for checkpoint, size in candidates:
         factor = requested.micro_batch_size // size

@@ -10,7 +10,7 @@ from colocate_grpo import models
 from colocate_grpo.config import load_config
 from colocate_grpo.memory_plan import GIB, ModelShape, engine_bytes, kv_cache_bytes, model_shape
 from colocate_grpo.plan import (
-    BUSY_MICRO_BATCH_TOKENS,
+    BUSY_MICRO_BATCH_VALUES,
     MIN_NUM_SEQS,
     DeviceMemory,
     TrainingPlan,
@@ -189,7 +189,7 @@ def test_gradient_checkpointing_is_off_where_training_fits_without_it():
     # At 7B a busy micro-batch without checkpointing fits an 80 GiB card; a 24 GiB one needs checkpointing.
     _, split = _plan_on_card({}, 80)
     assert not split.training.gradient_checkpointing and split.memory.fits
-    assert split.training.micro_batch_size * (32 + 256) >= BUSY_MICRO_BATCH_TOKENS
+    assert split.training.micro_batch_size * (32 + 256) * 3584 >= BUSY_MICRO_BATCH_VALUES
     _, tight = _plan_on_card({}, 24)
     assert tight.training.gradient_checkpointing and tight.memory.fits
     # Asked never to checkpoint, the plan splits the batch further instead.
