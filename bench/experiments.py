@@ -149,8 +149,8 @@ EXPERIMENTS = {
         Experiment(
             "merge-in-place",
             "kernel",
-            "Merging a LoRA into the shared base in place with its restore record, and the bitwise restore",
-            shapes=("7B",),
+            "Merging a LoRA into the shared base in place with its restore record against a copy, the bitwise restore",
+            shapes=("1.5B", "7B"),
             kinds=(),
             check={"shapes": ("tiny",)},
             slow_check=False,

@@ -7,9 +7,11 @@ The shape ``tiny`` stands for a few small layers, for the CPU checks.
 - ``lora-speed``: forward + backward of merge-aware LoRA against PEFT's LoRA (the same factors), per layer and
   and (at 1.5B and tiny) for a whole random-weight model of the shape, bf16 autocast, r=16; the merged weight's fused
   kernel against plain PyTorch.
-- ``merge-in-place``: merging a LoRA into a shape's base weights in place with the record that restores them
-  (``colocate_grpo.sync.MergedInPlace``), the restore, the record's bytes and outliers, whether the restore is
-  bitwise; on a GPU once more with the record in page-locked host memory.
+- ``merge-in-place``: merging a LoRA into every linear of a shape in place with the record that restores it
+  (``colocate_grpo.sync.MergedInPlace``), as a sync does: its time (the push) against one plain copy of the
+  same bytes (the copy floor), the restore's, the record's bytes and outliers, whether every restore was
+  bitwise; by the one-pass kernels (in use) and by the merge then ``lora.overwrite``; on a GPU once more with
+  the record's steps in page-locked host memory.
 - ``sync-kernels`` (CUDA): the sync's writes captured in a CUDA graph, as the sync replays them: the fused merge
   over every LoRA linear against one copy of the same bytes; the frozen tensors' copy by
   ``kernels.copy_by_kernel`` against ``copy_``; the adapter's factors by ``kernels.ScaledCopies`` against
@@ -177,41 +179,87 @@ def merge_in_place(shape: str) -> list[dict[str, Any]]:
     ]
     before = [weight.cpu() for weight, _, _ in layers]  # in host memory: a second copy may not fit the device
     weights = sum(weight.numel() for weight, _, _ in layers)
+    floor = copy_floor_seconds(2 * weights)
 
-    def synchronize() -> None:
-        if device() == "cuda":
-            torch.cuda.synchronize()
+    def by_kernels(in_place: MergedInPlace) -> None:
+        """As a sync runs it: the record's memory for every layer, a kernel each, one wait."""
+        in_place.reserve([weight for weight, _, _ in layers])
+        for weight, a, b in layers:
+            in_place.merge(weight, a, b, SCALING)
+        in_place.settle()
 
+    def by_overwrite(in_place: MergedInPlace) -> None:
+        """The merge, then its record in PyTorch (lora.overwrite): several passes and a wait a layer."""
+        for weight, a, b in layers:
+            in_place.add(weight, merged_weight(weight, a, b, SCALING))
+
+    ways = {"merge in place, one pass (in use)": by_kernels, "merge, then lora.overwrite": by_overwrite}
     rows = []
     for in_host_memory in (False, True) if device() == "cuda" else (False,):
-        in_place = MergedInPlace(in_host_memory=in_host_memory)
-        in_place.reserve([weight for weight, _, _ in layers])
-        for repeat in range(3):  # the first includes the merge kernel's compilation
-            synchronize()
-            start = time.perf_counter()
-            for weight, a, b in layers:
-                in_place.add(weight, merged_weight(weight, a, b, SCALING))
-            synchronize()
-            merged = time.perf_counter()
-            records = in_place.records.values()
-            size, outliers = sum(r.nbytes for r in records), sum(r.outlier_count for r in records)
-            in_place.restore()
-            synchronize()
-            rows.append(
-                {
-                    "what": f"repeat {repeat}" + (", record in host memory" if in_host_memory else ""),
-                    "weights": weights,
-                    "merge_and_record_s": merged - start,
-                    "restore_s": time.perf_counter() - merged,
-                    "record_on_device_bytes_per_weight": size / weights,
-                    "outlier_fraction": outliers / weights,
-                    "restored_bitwise": all(
-                        torch.equal(b.view(torch.int16), w.cpu().view(torch.int16))
-                        for b, (w, _, _) in zip(before, layers, strict=True)
-                    ),
-                }
-            )
+        for what, push in ways.items():
+            what += ", record in host memory" if in_host_memory else ""
+            in_place = MergedInPlace(in_host_memory=in_host_memory)
+            rows.append({"what": what} | timed_merges(push, in_place, layers, before, floor))
     return rows
+
+
+def synchronize() -> None:
+    if device() == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_floor_seconds(nbytes: int) -> float:
+    """Median seconds of one plain copy of ``nbytes`` bytes (the bandwidth floor of a write of them in place)."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device=device())
+    s = seconds(functools.partial(torch.empty_like(source).copy_, source))
+    del source  # the copy's buffers go before the merges' records need the room
+    if device() == "cuda":
+        torch.cuda.empty_cache()
+    return s
+
+
+def timed_merges(
+    push: Callable[[Any], None],
+    in_place: Any,
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    before: list[torch.Tensor],
+    copy_floor_s: float,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Median wall seconds of ``push(in_place)`` (merging every layer in place, waited for) and of its restore,
+    against the copy floor; the record's bytes and outliers, and whether the base is bitwise ``before`` at the end
+    (a restore that missed would stay: each merge starts from the last restore)."""
+    pushes, restores = [], []
+    for repeat in range(repeats + 1):  # the first compiles the kernels and allocates the host buffers
+        synchronize()
+        start = time.perf_counter()
+        push(in_place)
+        synchronize()
+        pushed = time.perf_counter()
+        records = in_place.records.values()
+        size, outliers = sum(r.nbytes for r in records), sum(r.outlier_count for r in records)
+        restore_start = time.perf_counter()
+        in_place.restore()
+        synchronize()
+        if repeat:
+            pushes.append(pushed - start)
+            restores.append(time.perf_counter() - restore_start)
+    bitwise = all(
+        torch.equal(old.view(torch.int16), weight.cpu().view(torch.int16))
+        for old, (weight, _, _) in zip(before, layers, strict=True)
+    )
+    weights = sum(weight.numel() for weight, _, _ in layers)
+    push_s = statistics.median(pushes)
+    return {
+        "weights": weights,
+        "push_s": push_s,
+        "copy_floor_s": copy_floor_s,
+        "push_over_copy_floor": push_s / copy_floor_s,
+        "restore_s": statistics.median(restores),
+        "record_on_device_bytes_per_weight": size / weights,
+        "outlier_fraction": outliers / weights,
+        "restored_bitwise": bitwise,
+    }
 
 
 def graph_seconds(write: Callable[[], object], repeats: int = 20) -> float:

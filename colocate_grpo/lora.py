@@ -18,6 +18,7 @@ import itertools
 import logging
 import math
 import operator
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,10 +27,12 @@ import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 
+from colocate_grpo.memory_plan import _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT
+
 logger = logging.getLogger(__name__)
 
 MERGE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Use the fused Triton merge on CUDA (set False to compare with the plain PyTorch path).
+# Use the fused Triton merges on CUDA, the merged weight's and the merge in place's (False: the plain PyTorch paths).
 FUSED_MERGE = True
 
 
@@ -336,11 +339,17 @@ _OUTLIER_BYTES = 10
 
 @dataclass
 class Overwritten:
-    """What :func:`overwrite` replaced in a tensor, kept compactly: :meth:`restore` puts its old bits back.
+    """What :func:`overwrite` or :func:`merge_in_place` replaced in a tensor, kept compactly: :meth:`restore` puts its
+    old bits back.
 
     Each value's old bits minus its new bits, as integers, wraps into one byte where it fits (an update a
     few units in the last place wide: a merged LoRA delta, mostly); the values whose change does not fit
     keep their index and old bits. A tensor where that would take more than a plain copy keeps the copy.
+
+    A record of the merge kernels (``state`` set) keeps its outliers in slots of a fixed capacity, of which
+    the first ``state[0]`` are filled (all where the count is past the capacity: see :func:`merge_in_place`),
+    and says on the device whether the merge ran and is not undone yet (``state[1]``): a record whose kernel
+    never ran, or that a restore undid already, changes nothing. Nothing of it waits on the host.
     """
 
     target: torch.Tensor
@@ -348,38 +357,54 @@ class Overwritten:
     outliers: torch.Tensor | None  # int64 flat indices of the values whose step does not fit in int8
     outlier_bits: torch.Tensor | None  # their old bits
     copy: torch.Tensor | None  # the old bits whole, where the outliers would take more
+    state: torch.Tensor | None = None  # the kernels' record: int32 (kernels.STATE_WORDS,) on the target's device
+    staging: torch.Tensor | None = None  # the kernels' device buffer for steps kept in host memory (int8, >= numel)
+    appended: int | None = None  # the kernels' outlier count, once read on the host (MergedInPlace.settle)
     restored: bool = False
 
     @property
     def nbytes(self) -> int:
-        """Bytes this record holds on the target's device (steps kept in host memory not counted)."""
-        kept = (self.steps, self.outliers, self.outlier_bits, self.copy)
+        """Bytes this record holds on the target's device (steps kept in host memory, and their staging buffer,
+        which the records of one merge share, not counted)."""
+        kept = (self.steps, self.outliers, self.outlier_bits, self.copy, self.state)
         return sum(t.nbytes for t in kept if t is not None and t.device == self.target.device)
 
     @property
     def outlier_count(self) -> int:
-        """Values whose change did not fit in one byte (all of them where a copy is kept)."""
+        """Values whose change did not fit in one byte (all of them where a copy is kept, unless the kernels
+        counted them)."""
         if self.copy is not None:
-            return self.copy.numel()
+            return self.copy.numel() if self.appended is None else self.appended
+        if self.state is not None:
+            appended = self.appended if self.appended is not None else int(self.state[0])
+            return min(appended, self.outliers.numel())
         return 0 if self.outliers is None else self.outliers.numel()
 
     def original(self) -> torch.Tensor:
         """A new tensor holding the target's old values, bitwise; the target is not touched."""
         old = self.target.detach().clone()
-        self._apply(old)
+        self._apply(old, spend=False)
         return old
 
     @torch.no_grad()
     def restore(self) -> None:
         """Put the target's old bits back, exactly; again is a no-op, also after an interrupt in between."""
         if not self.restored:
-            self._apply(self.target.data)
+            self._apply(self.target.data, spend=True)
             self.restored = True
 
-    def _apply(self, tensor: torch.Tensor) -> None:
+    def _apply(self, tensor: torch.Tensor, spend: bool) -> None:
+        """Undo the write on ``tensor`` (the target or a copy of it); ``spend``: it is the target (see restore)."""
         bits = tensor.view(_BITS[tensor.element_size()])
         if self.copy is not None:
             bits.copy_(self.copy)
+            return
+        if self.state is not None:
+            from colocate_grpo.kernels import undo_merge
+
+            # One launch that checks on the device that the merge ran and is not undone, and marks it undone: an
+            # interrupt anywhere leaves a restore to redo, or one that finds nothing to do.
+            undo_merge(bits, self._device_steps(), self.outliers, self.outlier_bits, self.state, spend)
             return
         # The outliers first: their steps are 0, so an interrupt before the steps' add leaves a restore to redo.
         if self.outliers.numel():
@@ -387,13 +412,21 @@ class Overwritten:
         # Steps kept in (pinned) host memory cross to the device a tensor at a time, in stream order.
         bits.add_(self.steps.to(bits.device, non_blocking=True))  # wraps, as the subtraction that made them did
 
+    def _device_steps(self) -> torch.Tensor:
+        """The steps where the kernels read them: their own, or, kept in host memory, copied into the staging
+        buffer (in stream order, so that the buffer is free again for the next record's)."""
+        if self.steps.device == self.target.device:
+            return self.steps
+        return self.staging[: self.steps.numel()].copy_(self.steps.view(-1), non_blocking=True)
+
 
 @torch.no_grad()
 def overwrite(target: torch.Tensor, value: torch.Tensor, steps_out: torch.Tensor | None = None) -> Overwritten:
     """Write ``value`` into ``target`` in place; the record returned restores ``target`` bitwise.
 
     For a merge into the weight it came from (``cast(W + s * B @ A)`` over W) the record takes about
-    one byte per value, against the two of a bf16 copy.
+    one byte per value, against the two of a bf16 copy. PyTorch on any device; it waits for the device once
+    (its outliers' count). :func:`merge_in_place` merges a LoRA without waiting.
 
     Args:
         target: a contiguous float tensor (a base weight, or its rows of an engine's fused parameter).
@@ -410,7 +443,7 @@ def overwrite(target: torch.Tensor, value: torch.Tensor, steps_out: torch.Tensor
     steps = wide_steps.to(torch.int8)
     outliers = (steps != wide_steps).view(-1).nonzero().squeeze(1)
     if steps.nbytes + outliers.numel() * _OUTLIER_BYTES > target.nbytes:
-        record = Overwritten(target, None, None, None, copy=old_bits.clone())
+        record = kept_whole(target, target.clone())
     else:
         steps.view(-1)[outliers] = 0
         if steps_out is not None:
@@ -418,6 +451,111 @@ def overwrite(target: torch.Tensor, value: torch.Tensor, steps_out: torch.Tensor
         record = Overwritten(target, steps, outliers, old_bits.view(-1)[outliers], copy=None)
     target.copy_(new)
     return record
+
+
+def kept_whole(target: torch.Tensor, old: torch.Tensor, outlier_count: int | None = None) -> Overwritten:
+    """A record that puts ``old`` (``target``'s old values: same shape and dtype) back into ``target`` whole;
+    ``outlier_count``: how many of the values changed by more than a byte, where that is known."""
+    return Overwritten(target, None, None, None, copy=old.view(_BITS[old.element_size()]), appended=outlier_count)
+
+
+def merges_by_kernel(target: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether :func:`merge_in_place` merges into ``target`` with ``dtype`` (None: the target's): a contiguous bf16
+    or fp16 tensor on CUDA, or anywhere under Triton's interpreter (``TRITON_INTERPRET=1``: the CPU tests), merged
+    in its own dtype. A 32-bit weight's merged change rarely fits in a byte: :func:`overwrite` keeps a copy."""
+    usable = target.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    fits_a_byte = target.dtype in (torch.bfloat16, torch.float16) and dtype in (None, target.dtype)
+    return FUSED_MERGE and usable and fits_a_byte and target.is_contiguous()
+
+
+def outlier_capacity(target: torch.Tensor) -> int:
+    """Outlier slots of :func:`merge_in_place`'s record for ``target``: the memory plan's room for them, per weight
+    (``memory_plan._MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT``), in slots of an int64 index and the old bits."""
+    slot_bytes = 8 + target.element_size()
+    return int(target.numel() * _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT) // slot_bytes
+
+
+class MergeRecords:
+    """The records of :func:`merge_in_place` into many targets (of one element size, on one device): their memory in
+    one allocation of each kind, each target's record carved from it as it is merged.
+
+    Carving as the merges go costs the host a few microseconds a target while the device works, rather than all
+    of them before the first merge starts.
+
+    Args:
+        targets: the tensors to be merged into.
+        staging: the steps will be kept in host memory: the records share one staging buffer on the device, the
+            size of the largest target, instead of their own steps there.
+    """
+
+    def __init__(self, targets: list[torch.Tensor], staging: bool = False) -> None:
+        from colocate_grpo.kernels import STATE_WORDS
+
+        device = targets[0].device
+        numels = [target.numel() for target in targets]
+        capacities = [outlier_capacity(target) for target in targets]
+        self.staging = torch.empty(max(numels), dtype=torch.int8, device=device) if staging else None
+        self.steps = torch.empty(0 if staging else sum(numels), dtype=torch.int8, device=device)
+        self.outliers = torch.empty(sum(capacities), dtype=torch.int64, device=device)
+        self.outlier_bits = torch.empty(sum(capacities), dtype=_BITS[targets[0].element_size()], device=device)
+        self.states = torch.zeros(len(targets), STATE_WORDS, dtype=torch.int32, device=device)
+        steps_starts = list(itertools.accumulate(numels, initial=0))[:-1]
+        slot_starts = list(itertools.accumulate(capacities, initial=0))[:-1]
+        # By target address: its row of the states, where its steps and its slots start, and how many.
+        self.places = {
+            target.data_ptr(): (row, steps_start, numel, slot_start, capacity)
+            for row, (target, steps_start, numel, slot_start, capacity) in enumerate(
+                zip(targets, steps_starts, numels, slot_starts, capacities, strict=True)
+            )
+        }
+
+    def blank(self, target: torch.Tensor) -> Overwritten | None:
+        """A record for ``target`` that changes nothing until its merge runs; None where ``target`` has no place."""
+        place = self.places.pop(target.data_ptr(), None)
+        if place is None:
+            return None
+        row, steps_start, numel, slot_start, capacity = place
+        steps = self.steps[steps_start : steps_start + numel] if self.staging is None else self.staging[:numel]
+        slots = slice(slot_start, slot_start + capacity)
+        return Overwritten(
+            target,
+            steps.view(target.shape),
+            self.outliers[slots],
+            self.outlier_bits[slots],
+            None,
+            state=self.states[row],
+            staging=self.staging,
+        )
+
+
+def merge_in_place(
+    record: Overwritten,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    host_steps: torch.Tensor | None = None,
+) -> None:
+    """Merge ``cast(W + scaling * B @ A)`` into the record's target W in place, and write the record, in one pass on
+    the device (:func:`colocate_grpo.kernels.merge_in_place`); nothing waits on the host.
+
+    The merged bits are :func:`merged_weight`'s on CUDA. Values whose change needs more than a byte take
+    outlier slots; where the slots run out, some values stay unmerged, which the record tells
+    (``outlier_count < appended``, once read) and undoes exactly all the same: :class:`sync.MergedInPlace`
+    redoes such a merge with a copy.
+
+    Args:
+        record: from :meth:`MergeRecords.blank`, not merged yet (its target on CUDA, :func:`merges_by_kernel`).
+        lora_A, lora_B, scaling: A (r, in_features), B (out_features, r) and the scaling.
+        host_steps: int8 host memory of the target's shape (page-locked) that keeps the steps, for a record made
+            with ``staging``: they are copied there from its staging buffer, in stream order.
+    """
+    from colocate_grpo.kernels import merge_in_place as launch
+
+    launch(record.target, lora_A, lora_B, scaling, record.steps, record.outliers, record.outlier_bits, record.state)
+    if host_steps is not None:
+        # The steps are in the staging buffer until this copy; the record points there until it is launched, and the
+        # next merge, the only writer of the buffer, comes after: an interrupt in between loses nothing.
+        record.steps = host_steps.copy_(record.steps, non_blocking=True)
 
 
 @dataclass

@@ -44,8 +44,9 @@ _BACKWARD_WORKING = 0.3
 # TRL's fused head scores a micro-batch's completion tokens in tiles of this many tokens and vocabulary entries
 # (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
 _HEAD_TILE_TOKENS, _HEAD_TILE_VOCAB = 4096, 32768
-# Merged serving on a shared base records what each merge overwrote (colocate_grpo.lora.overwrite): a byte per merged
-# weight, and 10 for each weight whose change needs more. Room for 2% of them, where a long run's are far fewer.
+# Merged serving on a shared base records what each merge overwrote (colocate_grpo.lora.merge_in_place): a byte per
+# merged weight, and 10 for each weight whose change needs more. Room for 2% of them, where a long run's are far fewer;
+# the merge kernels allocate this room for each weight (lora.outlier_capacity).
 _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT = 0.02 * 10
 _MERGE_RECORD_BYTES_PER_WEIGHT = 1 + _MERGE_RECORD_OUTLIER_BYTES_PER_WEIGHT
 

@@ -21,7 +21,18 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from colocate_grpo.engine import Engine, ParameterView, Weights, parameter_views
-from colocate_grpo.lora import FactorsKey, Overwritten, RetainedUpdate, lora_factors, merged_weight, overwrite
+from colocate_grpo.lora import (
+    FactorsKey,
+    MergeRecords,
+    Overwritten,
+    RetainedUpdate,
+    kept_whole,
+    lora_factors,
+    merge_in_place,
+    merged_weight,
+    merges_by_kernel,
+    overwrite,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +79,27 @@ class _Source:
         factors = lora_factors(self.layer) if self.layer is not None else None
         if factors is None:
             return self.param.detach() if out is None else _copy(out, self.param)
-        lora_A, lora_B, scaling = factors
-        merged = merged_weight(self.param, lora_A, lora_B, scaling, getattr(self.layer, "merge_dtype", None), out=out)
+        merged = merged_weight(self.param, *factors, getattr(self.layer, "merge_dtype", None), out=out)
         if stats is not None:
-            stats.add(self.param, scaling * (lora_B.float() @ lora_A.float()), merged)
+            _account(stats, self.param, factors, merged)
         return merged
+
+    def merge_into_base(self, merged: MergedInPlace, stats: RetainedUpdate | None) -> None:
+        """Merge the layer's active LoRA into the parameter in place (the engine's too), recorded in ``merged``.
+        Under ``torch.no_grad()``, as :func:`merge_into_shared_base` calls it (a decorator costs each layer)."""
+        factors = lora_factors(self.layer)
+        dtype = getattr(self.layer, "merge_dtype", None)
+        if stats is not None:  # before the merge overwrites the base that the statistics compare with
+            _account(stats, self.param, factors, merged_weight(self.param, *factors, dtype))
+        merged.merge(self.param, *factors, dtype)
+
+
+def _account(
+    stats: RetainedUpdate, base: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor, float], served: torch.Tensor
+) -> None:
+    """Add one layer's retained update: its base, its LoRA factors (A, B, scaling) and the weight served."""
+    lora_A, lora_B, scaling = factors
+    stats.add(base, scaling * (lora_B.float() @ lora_A.float()), served)
 
 
 # Walking a PEFT model's modules costs milliseconds, as much as the copies of a sync: once per model.
@@ -274,6 +301,19 @@ class MergedInPlace:
     :meth:`restore`; the trainer must not compute in between (``ColocatedGeneration`` restores
     after every generation, and after a sync that fails part way).
 
+    On CUDA each merge is one kernel that writes the merged weight and its record (:func:`lora.merge_in_place`)
+    into memory allocated for all the merge's weights at once (:meth:`reserve`), and each restore one kernel;
+    nothing waits on the host until :meth:`settle`, once for all the merges, checks that none ran out of room
+    for its outliers (and redoes those that did with a copy). Elsewhere each merge is computed, then written
+    over the base (:func:`lora.overwrite`).
+
+    An interrupt (Ctrl-C) anywhere leaves records that :meth:`restore` makes exact, whether or not it was
+    itself interrupted before: a kernel's record is kept before its launch, and says on the device whether its
+    merge ran, which a kernel once launched does whole; a restore's kernel undoes only a merge that ran and is
+    not undone, and marks it undone when its last program finishes. A record that a copy replaces is kept
+    until the copy holds the old bits. PyTorch's records put the outliers' old bits back first (their steps
+    are 0, so this is idempotent), then add the steps, then mark themselves restored.
+
     Args:
         in_host_memory: keep the records' steps (a byte per merged weight) in host memory, where the
             device cannot hold them beside the engine (the memory plan decides). Each merge then copies
@@ -283,15 +323,25 @@ class MergedInPlace:
 
     def __init__(self, in_host_memory: bool = False) -> None:
         self.in_host_memory = in_host_memory
-        self.records: dict[int, Overwritten] = {}  # by the base weight's address
+        self.records: dict[int, Overwritten] = {}  # by the base weight's address, in the order merged
         self._host_steps: dict[int, torch.Tensor] = {}  # by the base weight's address: views of one host buffer
+        self._memory: MergeRecords | None = None  # the kernels' record memory of this merge, until restored
+        self._unsettled: list[tuple[Overwritten, torch.Tensor, torch.Tensor, float]] = []  # kernels' merges, factors
 
     def __bool__(self) -> bool:
         return bool(self.records)
 
     def reserve(self, bases: list[torch.Tensor]) -> None:
-        """With ``in_host_memory``, allocate the steps' host buffers of every base weight in ``bases`` that has
-        none, as one allocation, page-locked on CUDA machines (:func:`_page_locked`)."""
+        """Allocate the records' memory for a merge into ``bases``, once before it: on CUDA the kernels' (freed by
+        :meth:`restore`; a base merged without it gets memory of its own), and with ``in_host_memory`` the steps'
+        host buffers of the bases that have none, as one allocation, page-locked on CUDA machines
+        (:func:`_page_locked`), kept for the next merges."""
+        by_kernel = [base for base in bases if merges_by_kernel(base)]
+        if by_kernel and self._memory is None:
+            self._memory = MergeRecords(by_kernel, staging=self.in_host_memory)
+        self._reserve_host(bases)
+
+    def _reserve_host(self, bases: list[torch.Tensor]) -> None:
         if not self.in_host_memory:
             return
         missing = [base for base in bases if base.data_ptr() not in self._host_steps]
@@ -303,10 +353,62 @@ class MergedInPlace:
 
     def add(self, base: torch.Tensor, merged: torch.Tensor) -> None:
         """Write ``merged`` into ``base`` in place, remembering how to undo it."""
+        self._check_unmerged(base)
+        self._reserve_host([base])
+        self.records[base.data_ptr()] = overwrite(base, merged, self._host_steps.get(base.data_ptr()))
+
+    def merge(
+        self,
+        base: torch.Tensor,
+        lora_A: torch.Tensor,
+        lora_B: torch.Tensor,
+        scaling: float,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Merge ``cast(base + scaling * lora_B @ lora_A)`` (in ``dtype``, None: the base's) into ``base`` in place,
+        remembering how to undo it; on CUDA without waiting for the device (:meth:`settle` does, once).
+
+        Shapes: base (out_features, in_features), lora_A (r, in_features), lora_B (out_features, r).
+        """
+        self._check_unmerged(base)
+        if not merges_by_kernel(base, dtype):
+            self.add(base, merged_weight(base, lora_A, lora_B, scaling, dtype))
+            return
+        self._reserve_host([base])
+        record = self._memory.blank(base) if self._memory is not None else None
+        if record is None:
+            record = MergeRecords([base], staging=self.in_host_memory).blank(base)
+        # Kept before its kernel runs: until then the record changes nothing, after it undoes the merge.
+        self.records[base.data_ptr()] = record
+        merge_in_place(record, lora_A, lora_B, scaling, self._host_steps.get(base.data_ptr()))
+        self._unsettled.append((record, lora_A, lora_B, scaling))
+
+    def _check_unmerged(self, base: torch.Tensor) -> None:
         if base.data_ptr() in self.records:
             raise RuntimeError("this base weight is merged already: restore() it before merging again")
-        self.reserve([base])
-        self.records[base.data_ptr()] = overwrite(base, merged, self._host_steps.get(base.data_ptr()))
+
+    def settle(self) -> None:
+        """Wait for the kernels' merges (the merge's one wait on the device) and redo, with a copy of its old bits
+        as the record, each merge whose outliers ran out of room (it left some values unmerged). Before the engine
+        serves the merge; a no-op where every merge is settled."""
+        if not self._unsettled:
+            return
+        appended = torch.stack([record.state[0] for record, *_ in self._unsettled]).tolist()
+        for (record, lora_A, lora_B, scaling), count in zip(self._unsettled, appended, strict=True):
+            record.appended = count
+            if count > record.outliers.numel():
+                self._redo_with_copy(record, lora_A, lora_B, scaling)
+        self._unsettled.clear()
+
+    def _redo_with_copy(self, record: Overwritten, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> None:
+        """Replace a kernel's record whose merge left outliers unmerged with a copy of the old bits, and finish
+        the merge from them. The record kept at each moment restores the base: the kernel's until the copy's."""
+        from colocate_grpo.kernels import fused_merged_weight
+
+        base = record.target
+        old = record.original()
+        self.records[base.data_ptr()] = kept_whole(base, old, record.appended)
+        fused_merged_weight(old, lora_A, lora_B, scaling, base.dtype, out=base)
 
     def original(self, base: torch.Tensor) -> torch.Tensor:
         """``base``'s values before its merge (``base`` itself where it was not merged)."""
@@ -320,11 +422,17 @@ class MergedInPlace:
         return sum(record.outlier_count for record in self.records.values()) / total if total else 0.0
 
     def restore(self) -> None:
-        """Put every merged base weight back, bitwise, and forget the records. After an interrupt part way,
-        calling it again restores the rest."""
-        for key, record in list(self.records.items()):
+        """Put every merged base weight back, bitwise, and forget the records and their memory. After an
+        interrupt part way, calling it again restores the rest.
+
+        The last merged goes back first: where an interrupt stopped the merges, its steps may still be in the
+        staging buffer of steps kept in host memory (:func:`lora.merge_in_place`), which the others' restores
+        overwrite."""
+        for key, record in reversed(list(self.records.items())):
             record.restore()
             del self.records[key]
+        self._unsettled.clear()
+        self._memory = None
 
 
 def _page_locked(owner: object, nbytes: int) -> torch.Tensor:
@@ -351,7 +459,11 @@ def _page_locked(owner: object, nbytes: int) -> torch.Tensor:
 
 @torch.no_grad()
 def merge_into_shared_base(
-    model: torch.nn.Module, engine: Engine, merged: MergedInPlace, stats: RetainedUpdate | None = None
+    model: torch.nn.Module,
+    engine: Engine,
+    merged: MergedInPlace,
+    stats: RetainedUpdate | None = None,
+    settle: bool = True,
 ) -> None:
     """Serve the trainer's merged weights where its base weights are the engine's: each LoRA layer's merged
     weight goes into its base weight in place, recorded in ``merged``.
@@ -359,6 +471,10 @@ def merge_into_shared_base(
     Trainable tensors that are not shared (``modules_to_save``) are copied into the engine as by
     :func:`push_weights`; frozen shared ones are the engine's already. On an exception part way the
     layers merged so far stay in ``merged``, for the caller to restore.
+
+    Args:
+        settle: wait for the merges and check them (:meth:`MergedInPlace.settle`) before returning. False leaves
+            that to the caller, before the engine generates: host work in between overlaps the device's merges.
 
     Raises:
         RuntimeError: where the engine's parameters do not map onto the trainer's tensors.
@@ -376,7 +492,9 @@ def merge_into_shared_base(
         for source in copied:
             source.value(stats, out=writes.views[source.name].rows)
         for source in merging:
-            merged.add(source.param, source.value(stats))
+            source.merge_into_base(merged, stats)
+        if settle:
+            merged.settle()
 
 
 @torch.no_grad()

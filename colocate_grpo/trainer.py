@@ -194,7 +194,7 @@ class ColocatedGeneration(VLLMGeneration):
         with self.clock.phase("sync"):
             if self.merges_in_place:
                 self.merged_in_place.restore()  # a sync without a generation since the last one
-                merge_into_shared_base(self.model, self.llm, self.merged_in_place, stats)
+                merge_into_shared_base(self.model, self.llm, self.merged_in_place, stats, settle=False)
             elif self.serving.serves_adapter:
                 # The base weights go only where the engine lost them (a level-2 sleep), with its LoRA buffers.
                 # Pinned ones (shared with the trainer, or 4-bit) are never lost, and written by nobody, ever.
@@ -207,6 +207,7 @@ class ColocatedGeneration(VLLMGeneration):
             # Generation comes next and needs the KV cache. Waking it is the driver's work on the CPU: done
             # while the device still writes the weights, it takes no time of its own (bench/FINDINGS.md).
             self.llm.wake_up(["kv_cache"])
+            self.merged_in_place.settle()  # the merges in place wait for the device here, once, after the wake
         if check is None:
             return
         if self.serving.serves_adapter:

@@ -41,23 +41,37 @@ def interrupt_generation(trainer, monkeypatch):
 
 
 def interrupt_sync(trainer, monkeypatch):
-    """Ctrl-C part way through the second sync, on whichever path (in place or vLLM's loader) it takes."""
-    generation, value, tensors_sent = trainer.vllm_generation, sync._Source.value, []
+    """Ctrl-C part way through the second sync, on whichever path it takes: before the fourth tensor goes in place
+    or through vLLM's loader; merged into a shared base, just after the fourth merge starts (on a GPU, its kernel
+    launched and nothing waited for)."""
+    generation, tensors_sent = trainer.vllm_generation, []
+    value, merge_into_base = sync._Source.value, sync._Source.merge_into_base
     sync_weights = generation.sync_weights
 
     def counting_sync():
         tensors_sent.append(0)
         return sync_weights()
 
-    def failing_value(source, stats, out=None):
+    def fourth_of_second_sync():
         if len(tensors_sent) == 2:
             tensors_sent[-1] += 1
-            if tensors_sent[-1] == 4:
-                raise KeyboardInterrupt
+            return tensors_sent[-1] == 4
+        return False
+
+    def failing_value(source, stats, out=None):
+        if fourth_of_second_sync():
+            raise KeyboardInterrupt
         return value(source, stats, out)
+
+    def failing_merge(source, merged, stats):
+        fourth = fourth_of_second_sync()
+        merge_into_base(source, merged, stats)
+        if fourth:
+            raise KeyboardInterrupt
 
     monkeypatch.setattr(generation, "sync_weights", counting_sync)
     monkeypatch.setattr(sync._Source, "value", failing_value)
+    monkeypatch.setattr(sync._Source, "merge_into_base", failing_merge)
 
 
 @pytest.mark.parametrize("phase", ["generate", "sync", "train"])
