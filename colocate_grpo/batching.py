@@ -127,18 +127,26 @@ def _rows(value: Any, rows: torch.Tensor) -> Any:
     return value[rows.to(value.device)]
 
 
-def trimmed(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[slice, int]:
+def trimmed(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, multiple: int | None = None
+) -> tuple[slice, int]:
     """The columns of a left-padded prompt + right-padded completion batch that hold a token of some row, and
     how many of them are completion columns.
 
+    Args:
+        multiple: keep the prompt's and the completion's widths multiples of it (TRL's ``pad_to_multiple_of``,
+            which the batch's widths are).
+
     Returns:
-        (columns, kept): ``input_ids[:, columns]`` has no column that is padding in every row, at least one
-        prompt column and at least one completion column; its last ``kept`` columns are completion columns.
+        (columns, kept): ``input_ids[:, columns]`` has no column that is padding in every row (but for the
+        rounding to ``multiple``), at least one prompt column and at least one completion column; its last
+        ``kept`` columns are completion columns.
     """
     prompt_width = input_ids.size(1) - logits_to_keep
     used = attention_mask.bool().any(0).nonzero().flatten().tolist()
-    in_prompt = [column for column in used if column < prompt_width]
-    in_completion = [column for column in used if column >= prompt_width]
-    first = in_prompt[0] if in_prompt else prompt_width - 1
-    end = in_completion[-1] + 1 if in_completion else prompt_width + 1
-    return slice(first, end), end - prompt_width
+    prompt_kept = prompt_width - next((column for column in used if column < prompt_width), prompt_width - 1)
+    kept = max([column + 1 - prompt_width for column in used if column >= prompt_width], default=1)
+    if multiple:
+        prompt_kept = min(prompt_width, -(-prompt_kept // multiple) * multiple)
+        kept = min(logits_to_keep, -(-kept // multiple) * multiple)
+    return slice(prompt_width - prompt_kept, prompt_width + kept), kept

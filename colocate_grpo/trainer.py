@@ -432,7 +432,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
         logps, entropies, aux_losses = [], [], []
         for start in range(0, rows, batch_size):
             chunk = order[start : start + batch_size]
-            columns, kept = trimmed(input_ids[chunk], attention_mask[chunk], logits_to_keep)
+            columns, kept = trimmed(input_ids[chunk], attention_mask[chunk], logits_to_keep, self.pad_to_multiple_of)
             chunk_logps, chunk_entropies, aux_loss = super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids[chunk][:, columns],

@@ -185,6 +185,14 @@ def test_grouping_by_length_gives_the_loss_and_gradients_of_padding(tmp_path, lo
         assert gradient_error < 2**-6, gradient_error
 
 
+def test_trimming_leaves_a_prompt_and_a_completion_column_and_keeps_the_padding_multiple():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0, 0, 0]])  # prompt 4 columns, completion 4
+    assert trimmed(mask, mask, 4) == (slice(2, 6), 2)
+    assert trimmed(mask, mask, 4, multiple=4) == (slice(0, 8), 4)  # TRL's pad_to_multiple_of
+    empty_completions = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 0]])
+    assert trimmed(empty_completions, empty_completions, 4) == (slice(2, 5), 1)
+
+
 def test_group_by_length_is_checked_with_the_key_named():
     with pytest.raises(ConfigError, match="'group_by_length' must be true or false or 'auto', got 'yes'"):
         load_config({"group_by_length": "yes"})
