@@ -13,7 +13,8 @@ Kinds:
   memory fraction 0.3, max model length 512); ``stock-4bit`` the same on the NF4 base a QLoRA user loads.
 - ``user``: colocate_grpo as a user runs it, ``build_trainer`` with the plain config (model, dataset, reward,
   batch keys, nothing else); ``user-merged``, ``user-adapter``, ``user-4bit``, ``user-fp32-head`` add the one
-  key that serves the policy another way or computes the logits in fp32 (``USER_KEYS``).
+  key that serves the policy another way or computes the logits in fp32, and ``user-no-grouping``,
+  ``user-no-checkpointing``, ``user-adamw-unfused`` the one that turns a training option off (``USER_KEYS``).
 - ``ours``, ``ours-ma``, ``ours-adapter``: ``ColocateGRPOTrainer`` with stock's PEFT model and TRL arguments:
   ordinary LoRA merged, merge-aware LoRA, and the adapter served by vLLM's LoRA kernels.
 - ``unsloth``, ``unsloth-4bit``: Unsloth's patched ``GRPOTrainer`` as its GRPO notebooks run it (fast inference,
@@ -39,6 +40,7 @@ from workload import (
     STEPS_PER_PASS,
     benchmark_prompts,
     half_vocabulary_reward,
+    layer_linears,
     user_config,
 )
 
@@ -100,6 +102,9 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-adapter": {"trl": {"vllm_lora_sync": True}},
     "user-4bit": {"load_in_4bit": True},
     "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
+    "user-no-grouping": {"group_by_length": False},
+    "user-no-checkpointing": {"gradient_checkpointing": False},
+    "user-adamw-unfused": {"trl": {"optim": "adamw_torch"}},
 }
 
 
@@ -305,6 +310,9 @@ KINDS: dict[str, Kind] = {
     "user-adapter": Kind("user-adapter", "user + trl.vllm_lora_sync: true (the adapter served)", build_user),
     "user-4bit": Kind("user-4bit", "user + load_in_4bit: true (one NF4 base, the adapter served)", build_user),
     "user-fp32-head": Kind("user-fp32-head", "user + trl.cast_lm_head_to_fp32: true", build_user),
+    "user-no-grouping": Kind("user-no-grouping", "user + group_by_length: false (TRL's padding)", build_user),
+    "user-no-checkpointing": Kind("user-no-checkpointing", "user + gradient_checkpointing: false", build_user),
+    "user-adamw-unfused": Kind("user-adamw-unfused", "user + trl.optim: adamw_torch (not fused)", build_user),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
@@ -316,6 +324,102 @@ KINDS: dict[str, Kind] = {
     ),
     "unsloth-4bit": Kind("unsloth-4bit", "unsloth with load_in_4bit=True", build_unsloth, env=unsloth_env()),
 }
+
+
+# Dense bf16 tensor-core peak FLOP/s by the GPU's name (the first entry the name contains): NVIDIA's datasheets.
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU named ``device_name`` (an H100 SXM's 989e12), None where not known."""
+    return next((peak for name, peak in PEAK_BF16_FLOPS if name in device_name), None)
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """The FLOPs of a decoder's forwards and backwards (the convention is bench/README.md's, "Model FLOPs").
+
+    ``linear``: N, the decoder layers' linear weights (non-embedding, head excluded, biases and norms left out);
+    ``head``: hidden x vocabulary; ``attention``: layers x the queries' width, so that a forward's attention
+    scores and weighted sums take 4 * attention * length^2 per sequence; ``trains_weights``: whether the
+    backward computes the decoder's weight gradients (full fine-tuning) or only the activations' (LoRA: the base
+    is frozen, the LoRA factors' own FLOPs are negligible); ``recomputes``: gradient checkpointing's second
+    forward of the decoder, counted in the hardware's FLOPs, not the model's.
+    """
+
+    linear: int
+    head: int
+    attention: int
+    trains_weights: bool
+    recomputes: bool
+
+    @classmethod
+    def of(cls, model: Any) -> ModelFlops:
+        config = model.config.get_text_config().to_dict()
+        heads_width = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        linear = config["num_hidden_layers"] * sum(o * i for o, i in layer_linears(config).values())
+        frozen_base = all("lora_" in n or not p.requires_grad for n, p in model.named_parameters())
+        return cls(
+            linear=linear,
+            head=config["hidden_size"] * config["vocab_size"],
+            attention=config["num_hidden_layers"] * config["num_attention_heads"] * heads_width,
+            trains_weights=not frozen_base,
+            recomputes=bool(getattr(model, "is_gradient_checkpointing", False)),
+        )
+
+    def forward(self, tokens: float, scored: float, squares: float, head: bool = True) -> float:
+        """A forward over ``tokens`` tokens (``squares``: the sum of the sequences' squared lengths) whose head
+        scores ``scored`` positions."""
+        return 2 * self.linear * tokens + (2 * self.head * scored if head else 0) + 4 * self.attention * squares
+
+    def backward(self, tokens: float, scored: float, squares: float) -> float:
+        """The backward of that forward: the activations' gradients (as many FLOPs as the forward's matmuls, twice
+        the attention's), and the weights' where they train."""
+        matmuls = 2 * self.linear * tokens + 2 * self.head * scored
+        return matmuls * (2 if self.trains_weights else 1) + 8 * self.attention * squares
+
+    def counted(self, rows: int, width: int, lengths: list[int], scored: int, grad: bool) -> tuple[float, float]:
+        """(model FLOPs, hardware FLOPs) of one forward over ``rows`` x ``width`` tokens whose sequences have
+        ``lengths`` real tokens, with its backward when ``grad``: the model's over the real tokens, the
+        hardware's over the computed ones (padding included), with the recomputed forward."""
+        tokens, squares = sum(lengths), sum(n * n for n in lengths)
+        model = self.forward(tokens, scored, squares) + (self.backward(tokens, scored, squares) if grad else 0.0)
+        computed, computed_squares = rows * width, rows * width * width
+        hardware = self.forward(computed, scored, computed_squares)
+        if grad:
+            hardware += self.backward(computed, scored, computed_squares)
+            if self.recomputes:
+                hardware += self.forward(computed, 0, computed_squares, head=False)
+        return model, hardware
+
+
+def count_flops(model: Any, recorder: StepRecorder) -> None:
+    """Add each forward of ``model`` (the trainer's: the scoring pass, the micro-batches' forwards, a reference's)
+    and its backward to the step in progress: ``flops`` {``model``, ``hardware``, ``tokens`` (real),
+    ``computed_tokens`` (with padding)}, from the call's ``input_ids``, ``attention_mask`` and ``labels``."""
+    import torch
+
+    flops = ModelFlops.of(model)
+
+    def hook(_: Any, args: tuple, kwargs: dict) -> None:
+        ids, mask, labels = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask"), None
+        if ids is None:
+            return
+        mask = torch.ones_like(ids) if mask is None else mask
+        labels = kwargs.get("labels")
+        # TRL's fused head scores the labelled positions (on a GPU only those); a full head every position.
+        scored = int((labels[:, 1:] != -100).sum()) if labels is not None else ids.numel()
+        lengths = mask.sum(1).tolist()
+        model_flops, hardware_flops = flops.counted(*ids.shape, lengths, scored, torch.is_grad_enabled())
+        counts = recorder.current.setdefault(
+            "flops", {"model": 0.0, "hardware": 0.0, "tokens": 0, "computed_tokens": 0}
+        )
+        counts["model"] += model_flops
+        counts["hardware"] += hardware_flops
+        counts["tokens"] += int(sum(lengths))
+        counts["computed_tokens"] += ids.numel()
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def take_device_memory(card_gib: float) -> torch.Tensor:
@@ -406,6 +510,10 @@ class StepRecorder:
                 if recorder.cuda:
                     torch.cuda.synchronize()
                 current["step_s"] = time.perf_counter() - current.pop("start")
+                # The training phase: the step but its engine calls (scoring, rewards, forwards, backwards, the
+                # optimizer; colocate_grpo's time/train).
+                generate_s = current.get("phases", {}).get("generate", {}).get("s", 0.0)
+                current["train_s"] = current["step_s"] - current.get("overhead_s", 0.0) - generate_s
                 current["alloc_retries"] = recorder.alloc_retries() - current["alloc_retries"]
                 current["train_device_gib"] = recorder.device_used_gib()
                 current["host_rss_gib"] = psutil.Process().memory_info().rss / GIB
@@ -427,6 +535,26 @@ class StepRecorder:
                 step["logged"] = {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
 
         return Steps()
+
+
+def training_phase_summary(measured: list[dict[str, Any]], device_name: str) -> dict[str, Any]:
+    """The training phase's medians over the measured steps: ``train_s``, ``model_tflop`` (a step's model FLOPs,
+    in 10^12), ``train_tflops`` (model FLOPs a second of the training phase), ``mfu`` and ``hfu`` (model and
+    hardware FLOPs a second over the GPU's dense bf16 peak; None where the peak is not known, as on a CPU), and
+    ``padding_share`` (of the tokens the forwards computed, those that were padding)."""
+    counted = [s for s in measured if s.get("flops") and s["train_s"] > 0]
+    peak = peak_bf16_flops(device_name)
+    model_rate = median([s["flops"]["model"] / s["train_s"] for s in counted])
+    hardware_rate = median([s["flops"]["hardware"] / s["train_s"] for s in counted])
+    computed = sum(s["flops"]["computed_tokens"] for s in counted)
+    return {
+        "train_s": median([s["train_s"] for s in measured]),
+        "model_tflop": median([s["flops"]["model"] / 1e12 for s in counted]),
+        "train_tflops": model_rate / 1e12 if model_rate is not None else None,
+        "mfu": model_rate / peak if peak and model_rate is not None else None,
+        "hfu": hardware_rate / peak if peak and hardware_rate is not None else None,
+        "padding_share": 1 - sum(s["flops"]["tokens"] for s in counted) / computed if computed else None,
+    }
 
 
 def median(values: list[float]) -> float | None:
@@ -470,6 +598,7 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
     for phase in ("sleep", "wake_up", "generate"):
         setattr(engine, phase, recorder.timed(phase.removesuffix("_up"), getattr(engine, phase)))
     trainer.add_callback(recorder.callback())
+    count_flops(model, recorder)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     recorder.train_start = time.perf_counter()
@@ -495,6 +624,7 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
         "steps": steps,
         "summary": {
             "step_s": step_s,
+            **training_phase_summary(measured, torch.cuda.get_device_name() if cuda else ""),
             "phase_s": {p: median([s.get("phases", {}).get(p, {}).get("s", 0.0) for s in measured]) for p in PHASES},
             "overhead_share": median([s.get("overhead_s", 0.0) / s["step_s"] for s in measured]),
             # Completions generated and trained a second, over every rank.

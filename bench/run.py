@@ -16,7 +16,8 @@ differ), ``date``, ``command``, ``config`` (the run's settings), ``steps`` (per 
 ``phases`` {sync, wake, generate, sleep: ``s`` and the device's used ``device_gib`` after it},
 ``train_device_gib``, ``host_rss_gib``, ``logp_diff``, ``entropy``, ``served_equals_trained`` and what
 colocate_grpo logged, ``logged``), ``summary`` (medians over the steps after the second: ``step_s``,
-``phase_s``, ``overhead_share``, ``samples_per_s``), ``memory`` (peaks in GiB by phase, on a simulated card
+``phase_s``, ``overhead_share``, ``samples_per_s``; the training phase's ``train_s``, ``model_tflop``,
+``train_tflops``, ``mfu``, ``hfu``, ``padding_share``), ``memory`` (peaks in GiB by phase, on a simulated card
 ``card_used_gib``), ``mismatch`` (mean |logp_vLLM - logp_trainer|: ``mean``, ``first_tenth``,
 ``last_tenth``, ``by_pass``), ``served_equals_trained`` (the worst check of the run; None where nothing
 checks), ``metrics`` (the experiment's own numbers: a kernel's rows, a frontier attempt's plan) and
@@ -154,9 +155,21 @@ def summary_line(result: dict[str, Any]) -> str:
         return f"{name}: {len(result['metrics'].get('rows', []))} rows"
     summary, memory, mismatch = result["summary"], result["memory"], result["mismatch"]
     return (
-        f"{name}: step {summary['step_s']:.3f} s over {summary['steps_run']} steps, peak "
+        f"{name}: step {summary['step_s']:.3f} s over {summary['steps_run']} steps,{training_phase(summary)} peak "
         f"{memory['peak_device_gib']:.1f} GiB, mismatch {mismatch['mean'] or float('nan'):.5f}, "
         f"served == trained {result['served_equals_trained']}"
+    )
+
+
+def training_phase(summary: dict[str, Any]) -> str:
+    """The training phase's part of a result's line: its seconds, model TFLOP/s and MFU (where the GPU's peak is
+    known), and the share of padding its forwards computed."""
+    if summary.get("train_s") is None or summary.get("train_tflops") is None:
+        return ""
+    mfu = f", MFU {summary['mfu']:.1%}" if summary.get("mfu") is not None else ""
+    return (
+        f" train {summary['train_s']:.3f} s ({summary['train_tflops']:.4g} TFLOP/s{mfu}, "
+        f"padding {summary['padding_share']:.0%}),"
     )
 
 

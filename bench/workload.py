@@ -3,7 +3,8 @@
 Shapes are Qwen2.5's dimensions (``QWEN25``) with random bf16 weights and a word-level tokenizer over the
 vocabulary (``t0`` ... ``tN``); ``tiny`` is colocate_grpo's 0.3M-parameter model (the CPU checks). A shape
 ending in ``-sharp`` has its head scaled so that its next-token distributions are as sharp as a trained
-model's (see :func:`build_model`).
+model's; one ending in ``-stops`` ends a completion with about ``STOP_RATE`` a token, so that completions
+have varied lengths, as a trained model's do (see :func:`build_model`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ QWEN25 = {
 }
 SHARP = "-sharp"
 SHARP_LOGIT_STD = 8.0
+STOPS = "-stops"
+STOP_RATE = 0.01  # a -stops model's mean probability of its end-of-sequence token: completions of ~90 tokens of 256
 PROMPT_TOKENS = 32  # words of the word-level tokenizer a prompt has: that many tokens
 PROMPTS = 256
 NUM_GENERATIONS = 8
@@ -61,6 +64,11 @@ GENERATION_BATCH = 64  # sequences generated a step: 8 prompts x 8 generations
 COMPLETION_TOKENS = 256  # the most a completion may have; random weights rarely stop sooner
 TINY_COMPLETION_TOKENS = 4
 STEPS_PER_PASS = PROMPTS // (GENERATION_BATCH // NUM_GENERATIONS)  # steps that draw every prompt once
+
+
+def base_shape(shape: str) -> str:
+    """The ``QWEN25`` dimensions' name of a shape (``1.5B`` of ``1.5B-stops``)."""
+    return shape.split("-")[0]
 
 
 def layer_linears(dims: Mapping[str, int]) -> dict[str, tuple[int, int]]:
@@ -114,7 +122,7 @@ def shape_config(shape: str) -> Qwen2Config:
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        **QWEN25[shape.removesuffix(SHARP)],
+        **QWEN25[base_shape(shape)],
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         eos_token_id=0,
@@ -130,6 +138,9 @@ def build_model(shape: str, models: Path) -> str:
     tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``) has its head scaled so that the logits' standard
     deviation is ``SHARP_LOGIT_STD``: a random model's next-token distributions are near uniform (entropy 11.2
     nats of at most 11.9), a trained model's are sharp, and the head's rounding weighs with the logits' size.
+    A shape ending in ``-stops`` has its end-of-sequence row of the head set (:func:`make_stops`) so that a
+    completion ends with probability ``STOP_RATE`` a token: a random model's almost never ends one (1 in 152k a
+    token), and every completion would take all 256 tokens.
     """
     if shape == "tiny":
         from colocate_grpo.tiny import tiny_model_path
@@ -143,7 +154,7 @@ def build_model(shape: str, models: Path) -> str:
     from tokenizers import models as tokenizer_models
     from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-    vocab = {f"t{i}": i for i in range(QWEN25[shape.removesuffix(SHARP)]["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(QWEN25[base_shape(shape)]["vocab_size"])}
     word_level = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="t1"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="t0", pad_token="t0", unk_token="t1")
@@ -154,12 +165,52 @@ def build_model(shape: str, models: Path) -> str:
     if shape.endswith(SHARP):  # the final norm's output has unit RMS: a logit's std is the head row's norm
         with torch.no_grad():
             model.lm_head.weight.mul_(SHARP_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5))
+    if shape.endswith(STOPS):
+        make_stops(model, config.eos_token_id, STOP_RATE)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     # The runs measure the device's used memory, which would count this process's cache (30 GiB at 7B).
     del model
     torch.cuda.empty_cache()
     return str(directory)
+
+
+def make_stops(model: Any, eos: int, rate: float, sequences: int = 8, tokens: int = 64) -> float:
+    """Make ``model`` end a sequence with probability about ``rate`` at every token, whatever came before.
+
+    The residual stream's first channel is made a constant: every token's embedding holds the same value there and
+    no layer writes to it (the first row of each ``o_proj`` and ``down_proj`` zero), so the final norm's first
+    output is that constant over the stream's RMS, nearly the same at every position. The head's ``eos`` row is
+    c * e_0, c chosen so that over the hidden states of random sequences the mean probability of ``eos`` is
+    ``rate``: its logit is then nearly the same everywhere. Returns c."""
+    import torch
+
+    head = model.lm_head.weight
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(1, head.size(0), (sequences, tokens), generator=generator).to(head.device)
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        embeddings[:, 0] = embeddings.float().std()
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.down_proj.weight[0] = 0
+        hidden = model.model(input_ids=ids).last_hidden_state.reshape(-1, head.size(1)).float()
+        others = torch.cat([head[:eos], head[eos + 1 :]]).float()
+        rest = torch.logsumexp(hidden @ others.T, dim=-1)  # the other tokens' log-sum-exp at each position
+
+    def stop_rate(scale: float) -> float:
+        return torch.sigmoid(scale * hidden[:, 0] - rest).mean().item()
+
+    low, high = 0.0, 1.0
+    while stop_rate(high) < rate:
+        high *= 2
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if stop_rate(middle) < rate else (low, middle)
+    with torch.no_grad():
+        head[eos] = 0
+        head[eos, 0] = high
+    return high
 
 
 def user_config(

@@ -247,6 +247,17 @@ class Config:
             "where there is no device memory plan (CPU). TRL's default is true."
         },
     )
+    group_by_length: bool | Literal["auto"] = field(
+        default="auto",
+        metadata={
+            "help": "Compute no padding in training: each forward trimmed to its sequences' longest prompt and "
+            "completion, the logprob pass in chunks of similar length, and each optimizer step's micro-batches "
+            "regrouped by completion length (the loss is the same: docs/how-it-works.md). auto: all of it where "
+            "regrouping keeps the loss (every trl.loss_type but bnpo, without trl.entropy_coef or "
+            "trl.top_entropy_quantile), else the trimming alone, which keeps every loss. true: all of it, refused "
+            "where the loss would change. false: TRL's padding to the generation batch's longest."
+        },
+    )
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N optimizer steps."})
     resume_from_checkpoint: str | None = field(
         default=None,

@@ -258,6 +258,7 @@ def build_trainer(
             processing_class=inputs.tokenizer,
             callbacks=[metrics, *(callbacks or [])],
             merge_check_interval=config.trl_settings["vllm_merge_check_interval"],
+            group_by_length=config.group_by_length,
         )
     metrics.context["served_as"] = trainer.served_as
     # transformers prints every metric per log (a table in notebooks); show a bar with the reward instead.

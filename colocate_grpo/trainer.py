@@ -14,16 +14,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 import trl.trainer.grpo_trainer as grpo_module
 from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
 from colocate_grpo.adapters import push_adapter, served_adapter_mismatches
+from colocate_grpo.batching import group_by_length, is_text_batch, length_order, regrouping_changes_loss, trimmed
 from colocate_grpo.checkpoints import save_checkpoint
 from colocate_grpo.config import VLLMConfig
 from colocate_grpo.engine import Engine, Weights, shared_engine
@@ -270,6 +274,12 @@ class ColocateGRPOTrainer(GRPOTrainer):
         merge_check_interval: optimizer steps between retained-update checks (0: never); see
             :class:`MergeCheck`. With adapter serving, between checks that the engine holds the
             trainer's LoRA factors bitwise.
+        group_by_length: compute no padding (:mod:`colocate_grpo.batching`): each forward trimmed to its rows'
+            longest prompt and completion, the scoring pass in chunks of similar length, and each optimizer
+            step's micro-batches regrouped by completion length. ``"auto"``: all three where regrouping keeps
+            the loss (every loss type but ``bnpo``, without the entropy bonus, the high-entropy mask or a
+            router loss), else the first two, which keep every loss. True: all three, refused where regrouping
+            would change the loss. False: TRL's padding.
 
     A PEFT model's frozen base weights become the engine's (:mod:`colocate_grpo.shared_base`) where
     their layouts line up: the device holds one copy, and the engine's KV cache sleeps alone.
@@ -296,8 +306,11 @@ class ColocateGRPOTrainer(GRPOTrainer):
         sequence_tokens: int | None = None,
         engine: Engine | None = None,
         merge_check_interval: int = 50,
+        group_by_length: bool | str = "auto",
         **kwargs: Any,
     ) -> None:
+        if group_by_length not in (True, False, "auto"):
+            raise ValueError(f"'group_by_length' must be 'auto', true or false, got {group_by_length!r}.")
         if plan is None:
             plan = plan_for_model(
                 model, args, vllm_options=vllm_options, serve_adapter=serve_adapter, sequence_tokens=sequence_tokens
@@ -358,6 +371,88 @@ class ColocateGRPOTrainer(GRPOTrainer):
             log=self._record_metrics,
         )
         self.add_callback(PhaseMetrics(self.vllm_generation.clock, record=self._record_metrics))
+        changes_loss = regrouping_changes_loss(
+            self.loss_type, self.top_entropy_quantile, self._entropy_bonus_enabled, self.aux_loss_enabled
+        )
+        if group_by_length is True and changes_loss:
+            raise ValueError(
+                f"'group_by_length: true' would change the loss: {changes_loss}, and regrouping the micro-batches "
+                "changes which tokens share one. Use 'group_by_length: auto' (padding trimmed, the micro-batches "
+                "kept as TRL cuts them)."
+            )
+        # Exact for every loss: each forward trimmed to its rows, the scoring pass in chunks of similar length.
+        self.trims_padding = group_by_length is not False
+        # Exact where the loss is a sum over sequences whose weights do not depend on their micro-batch.
+        self.regroups_micro_batches = self.trims_padding and changes_loss is None
+
+    def _prepare_inputs(self, generation_batch: Any) -> Any:
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        fresh = self._buffered_inputs is not buffered  # TRL generated and cut a new generation batch
+        if fresh and self.regroups_micro_batches and self.model.training and is_text_batch(inputs):
+            # Micro-batches that exchange sequences must train in one optimizer step: a window divides both the
+            # generation batch's micro-batches (steps_per_generation) and an optimizer step's.
+            window = math.gcd(self.args.steps_per_generation, self.args.gradient_accumulation_steps)
+            self._buffered_inputs = group_by_length(self._buffered_inputs, window)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's log-probabilities (and entropies, and router loss) of the completion tokens, with no padding
+        computed: the rows in chunks of ``batch_size`` by length, each chunk trimmed to its own longest prompt
+        and completion, the outputs padded back (with the zeros TRL gives padding) and put in the rows' order."""
+        if not self.trims_padding or any(value is not None for value in multimodal.values()):
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
+        rows = input_ids.size(0)
+        batch_size = batch_size or rows
+        if batch_size < rows:  # the scoring pass: chunks of similar length
+            prompt_width = input_ids.size(1) - logits_to_keep
+            mask = attention_mask.bool()
+            order = length_order(mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1))
+        else:
+            order = torch.arange(rows, device=input_ids.device)
+        logps, entropies, aux_losses = [], [], []
+        for start in range(0, rows, batch_size):
+            chunk = order[start : start + batch_size]
+            columns, kept = trimmed(input_ids[chunk], attention_mask[chunk], logits_to_keep, self.pad_to_multiple_of)
+            chunk_logps, chunk_entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids[chunk][:, columns],
+                attention_mask[chunk][:, columns],
+                kept,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+            )
+            logps.append(F.pad(chunk_logps, (0, logits_to_keep - kept)))
+            if compute_entropy:
+                entropies.append(F.pad(chunk_entropies, (0, logits_to_keep - kept)))
+            if compute_aux_loss:
+                aux_losses.append(aux_loss)
+        restore = torch.argsort(order)
+        return (
+            torch.cat(logps)[restore],
+            torch.cat(entropies)[restore] if compute_entropy else None,
+            torch.stack(aux_losses).mean() if compute_aux_loss else None,
+        )
 
     @property
     def served_as(self) -> str:

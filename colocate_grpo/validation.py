@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from colocate_grpo.batching import regrouping_changes_loss
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, Problems, coerce_value, did_you_mean
 from colocate_grpo.migrate import TRL_KEYS_WITH_A_PLACE
 
@@ -377,6 +378,7 @@ def _check_trl_values(c: Config, problems: Problems) -> None:
             )
     if c.max_steps == -1 and "num_train_epochs" not in c.trl:
         problems.add("'max_steps: -1' trains for trl.num_train_epochs: set it (e.g. 'num_train_epochs: 1').")
+    _check_group_by_length(c, problems)
     _check_model_init_kwargs(c.trl.get("model_init_kwargs"), problems)
     _check_report_to(c.trl.get("report_to"), problems)
     optimizer = c.trl.get("optim")
@@ -385,6 +387,37 @@ def _check_trl_values(c: Config, problems: Problems) -> None:
         problems.add(
             f"'trl.optim: {optimizer}' needs bitsandbytes, which is not installed: pip install -e \".[quant]\", "
             "or 'optim: adamw_torch'."
+        )
+
+
+def _check_group_by_length(c: Config, problems: Problems) -> None:
+    """``group_by_length: true`` where regrouping the micro-batches would change the loss (the trl: block's values
+    over TRL's defaults), and transformers' sampler setting, which GRPO's sampler ignores."""
+    from trl import GRPOConfig
+
+    strategy = c.trl.get("train_sampling_strategy", "random")
+    if strategy != "random":
+        problems.add(
+            f"'trl.train_sampling_strategy: {strategy}' is not used: TRL's GRPO sampler draws each prompt for its "
+            "group of completions and ignores it. Remove it; 'group_by_length' (on by default, 'auto') groups the "
+            "completions by length so that no padding is computed."
+        )
+    if c.group_by_length is not True:
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    settings = {**defaults, **c.trl}
+    if settings["loss_type"] not in TRL_CHOICES["loss_type"]:
+        return  # reported by the choices' check
+    quantile = _number(settings["top_entropy_quantile"])
+    entropy_bonus = _number(settings["entropy_coef"]) not in (None, 0.0) or settings["use_adaptive_entropy"] is True
+    reason = regrouping_changes_loss(
+        settings["loss_type"], 1.0 if quantile is None else quantile, entropy_bonus=entropy_bonus
+    )
+    if reason:
+        problems.add(
+            f"'group_by_length: true' would change the loss: {reason}, and regrouping the micro-batches changes "
+            "which tokens share one. Use 'group_by_length: auto' (each forward's padding trimmed, which keeps every "
+            "loss, the micro-batches as TRL cuts them), or change that setting."
         )
 
 
