@@ -14,7 +14,7 @@ Kinds:
 - ``user``: colocate_grpo as a user runs it, ``build_trainer`` with the plain config (model, dataset, reward,
   batch keys, nothing else); ``user-merged``, ``user-adapter``, ``user-4bit``, ``user-fp32-head`` add the one
   key that serves the policy another way or computes the logits in fp32, and ``user-no-grouping``,
-  ``user-no-checkpointing``, ``user-adamw-unfused`` the one that turns a training option off (``USER_KEYS``).
+  ``user-checkpointing``, ``user-adamw-unfused`` the one that turns a training option off (``USER_KEYS``).
 - ``ours``, ``ours-ma``, ``ours-adapter``: ``ColocateGRPOTrainer`` with stock's PEFT model and TRL arguments:
   ordinary LoRA merged, merge-aware LoRA, and the adapter served by vLLM's LoRA kernels.
 - ``unsloth``, ``unsloth-4bit``: Unsloth's patched ``GRPOTrainer`` as its GRPO notebooks run it (fast inference,
@@ -103,7 +103,7 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-4bit": {"load_in_4bit": True},
     "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
     "user-no-grouping": {"group_by_length": False},
-    "user-no-checkpointing": {"gradient_checkpointing": False},
+    "user-checkpointing": {"gradient_checkpointing": True},
     "user-adamw-unfused": {"trl": {"optim": "adamw_torch"}},
 }
 
@@ -311,7 +311,7 @@ KINDS: dict[str, Kind] = {
     "user-4bit": Kind("user-4bit", "user + load_in_4bit: true (one NF4 base, the adapter served)", build_user),
     "user-fp32-head": Kind("user-fp32-head", "user + trl.cast_lm_head_to_fp32: true", build_user),
     "user-no-grouping": Kind("user-no-grouping", "user + group_by_length: false (TRL's padding)", build_user),
-    "user-no-checkpointing": Kind("user-no-checkpointing", "user + gradient_checkpointing: false", build_user),
+    "user-checkpointing": Kind("user-checkpointing", "user + gradient_checkpointing: true", build_user),
     "user-adamw-unfused": Kind("user-adamw-unfused", "user + trl.optim: adamw_torch (not fused)", build_user),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
