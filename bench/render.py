@@ -108,6 +108,43 @@ def headline_table(results: list[dict], prefix: str) -> str:
     return "\n".join(lines)
 
 
+def unsloth_table(results: list[dict], prefix: str) -> str:
+    """Each Unsloth run against the user's config of the same shape and card in the same results folder."""
+    lines = [
+        "| measured | colocate_grpo (the user's config) | Unsloth | results |",
+        "|---|---|---|---|",
+    ]
+    for theirs in results:
+        if not (theirs["kind"] or "").startswith("unsloth") or theirs["failed"]:
+            continue
+        kind = theirs["kind"].replace("unsloth", "user")
+        card = theirs["config"]["card_gib"]
+        ours = next(
+            (
+                r
+                for r in results
+                if r["kind"] == kind
+                and r["shape"] == theirs["shape"]
+                and r["folder"] == theirs["folder"]
+                and r["config"]["card_gib"] == card
+                and not r["failed"]
+            ),
+            None,
+        )
+        if ours is None:
+            continue
+        where = f"{theirs['shape']}{', 4-bit base' if kind.endswith('4bit') else ''}, {device_name(ours)}"
+        if card:
+            where += f", a simulated {card:g} GiB card"
+        step, their_step = ours["summary"]["step_s"], theirs["summary"]["step_s"]
+        generate, their_generate = ours["summary"]["phase_s"]["generate"], theirs["summary"]["phase_s"]["generate"]
+        lines.append(
+            f"| step time, {where} | {step:.2f} s ({step / their_step:.2f}x; generation {generate:.2f} s) "
+            f"| {their_step:.2f} s (generation {their_generate:.2f} s) | {link(ours, prefix)} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else "None measured."
+
+
 def ratio(value: float | None, base: float | None) -> str:
     return f" ({value / base:.2f}x)" if value is not None and base else ""
 
@@ -132,7 +169,7 @@ def training_table(results: list[dict], prefix: str) -> str:
             f"| {summary['step_s']:.2f}{ratio(summary['step_s'], stock and stock['summary']['step_s'])} "
             f"| {phases['generate']:.2f} | {1e3 * phases['sync']:.0f} ms "
             f"| {peak:.1f}{ratio(peak, stock and stock['memory']['peak_device_gib'])} "
-            f"| {mismatch:.5f}{ratio(mismatch, stock and stock['mismatch']['mean'])} "
+            f"| {'' if mismatch is None else f'{mismatch:.5f}'}{ratio(mismatch, stock and stock['mismatch']['mean'])} "
             f"| {'' if r['served_equals_trained'] is None else r['served_equals_trained']} |"
         )
     return "\n".join(lines)
@@ -222,6 +259,13 @@ def docs_page(results: list[dict]) -> str:
             "",
             headline_table(results, prefix),
             "",
+            "## Against Unsloth",
+            "",
+            "Unsloth as its GRPO notebooks run it (fast inference, standby, its gradient checkpointing) and the",
+            "user's plain config, one after the other in the same results folder, same shape, batch and reward.",
+            "",
+            unsloth_table(results, prefix),
+            "",
             "## Training runs",
             "",
             "Medians over the steps after the second; peak device memory is the whole device's used memory after",
@@ -273,7 +317,10 @@ def between_markers(text: str, table: str) -> str:
 def rendered(results: list[dict]) -> dict[Path, str]:
     """Each file's text with its tables rendered from ``results``."""
     return {
-        README: between_markers(README.read_text(), headline_table(results, "bench/results/")),
+        README: between_markers(
+            README.read_text(),
+            headline_table(results, "bench/results/") + "\n\n" + unsloth_table(results, "bench/results/"),
+        ),
         BENCH_README: between_markers(BENCH_README.read_text(), latest_table(results, "results/")),
         DOCS: docs_page(results),
     }

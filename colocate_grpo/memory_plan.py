@@ -15,10 +15,14 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from colocate_grpo.config import Config, ConfigError, VLLMConfig
+
+if TYPE_CHECKING:
+    from colocate_grpo.plan import TrainingPlan
 
 GIB = 2**30
 # gpu_memory_utilization where the engine cannot be sized (a model whose config transformers cannot read).
@@ -464,8 +468,11 @@ def refusal(plan: MemoryPlan, config: Config, serves_adapter: bool) -> str:
     )
 
 
-def out_of_memory_message(phase: str, plan: MemoryPlan | None, config: Config) -> str:
-    """What to tell a user whose run ran out of device memory in ``phase``, with the device's numbers now."""
+def out_of_memory_message(
+    phase: str, plan: MemoryPlan | None, config: Config, training: TrainingPlan | None = None
+) -> str:
+    """What to tell a user whose run ran out of device memory in ``phase``, with the device's numbers now
+    (``training``: the run plan's micro-batches and checkpointing, where the run was planned)."""
     lines = [f"The device ran out of memory during '{phase}'."]
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
@@ -474,8 +481,12 @@ def out_of_memory_message(phase: str, plan: MemoryPlan | None, config: Config) -
     if plan is not None:
         lines.append(plan.summary())
     batch = f"{config.micro_batch_size} x {config.gradient_accumulation_steps}"
+    checkpointing = config.gradient_checkpointing is True
+    if training is not None:
+        batch = f"{training.micro_batch_size} x {training.gradient_accumulation_steps}"
+        checkpointing = training.gradient_checkpointing
     if phase == "train":
-        fixes = [] if config.gradient_checkpointing is True else ["'gradient_checkpointing: true'"]
+        fixes = [] if checkpointing else ["'gradient_checkpointing: true'"]
         fixes.append(f"a smaller micro_batch_size with more gradient_accumulation_steps (now {batch})")
     else:
         fixes = [f"a smaller generation batch (micro_batch_size x gradient_accumulation_steps, now {batch})"]
@@ -485,11 +496,16 @@ def out_of_memory_message(phase: str, plan: MemoryPlan | None, config: Config) -
 
 
 @contextlib.contextmanager
-def device_memory_errors(phase: str | Callable[[], str], plan: MemoryPlan | None, config: Config) -> Iterator[None]:
+def device_memory_errors(
+    phase: str | Callable[[], str],
+    plan: MemoryPlan | None,
+    config: Config,
+    training: TrainingPlan | None = None,
+) -> Iterator[None]:
     """Turn torch's out-of-memory error into one :class:`DeviceMemoryError` naming the phase and the fixes
-    (``phase``: a name, or what returns it once the error happened)."""
+    (``phase``: a name, or what returns it once the error happened; ``training``: the run plan's)."""
     try:
         yield
     except torch.OutOfMemoryError:
         name = phase if isinstance(phase, str) else phase()
-        raise DeviceMemoryError(out_of_memory_message(name, plan, config)) from None
+        raise DeviceMemoryError(out_of_memory_message(name, plan, config, training)) from None

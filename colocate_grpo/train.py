@@ -239,7 +239,7 @@ def build_trainer(
     inputs = check_inputs(config)
     plan = inputs.plan
     refuse_unservable_run(plan.engine)
-    with device_memory_errors("load the model and start the engine", plan.memory, config):
+    with device_memory_errors("load the model and start the engine", plan.memory, config, plan.training):
         model = models.load_model(config, plan, inputs.path)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 

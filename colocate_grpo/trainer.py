@@ -506,7 +506,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
         if config is None:  # direct use: the caller's own config names no keys to suggest
             return super().train(*args, **kwargs)
         clock = self.vllm_generation.clock
-        with device_memory_errors(lambda: clock.failed_phase or "train", self.plan.memory, config):
+        with device_memory_errors(lambda: clock.failed_phase or "train", self.plan.memory, config, self.plan.training):
             return super().train(*args, **kwargs)
 
     def close(self) -> None:
