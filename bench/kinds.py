@@ -100,6 +100,7 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-adapter": {"trl": {"vllm_lora_sync": True}},
     "user-4bit": {"load_in_4bit": True},
     "user-fp32-head": {"trl": {"cast_lm_head_to_fp32": True}},
+    "user-bitwise": {"trl": {"vllm_bitwise_logprobs": True}},
 }
 
 
@@ -305,6 +306,11 @@ KINDS: dict[str, Kind] = {
     "user-adapter": Kind("user-adapter", "user + trl.vllm_lora_sync: true (the adapter served)", build_user),
     "user-4bit": Kind("user-4bit", "user + load_in_4bit: true (one NF4 base, the adapter served)", build_user),
     "user-fp32-head": Kind("user-fp32-head", "user + trl.cast_lm_head_to_fp32: true", build_user),
+    "user-bitwise": Kind(
+        "user-bitwise",
+        "user + trl.vllm_bitwise_logprobs: true (vLLM's batch-invariant kernels on both sides)",
+        build_user,
+    ),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
@@ -417,6 +423,8 @@ class StepRecorder:
                 step = recorder.steps[-1]
                 if "sampling/sampling_logp_difference/mean" in logs:
                     step["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
+                if "sampling/logp_equal_fraction" in logs:
+                    step["logp_equal_fraction"] = logs["sampling/logp_equal_fraction"]
                 if "entropy" in logs:
                     step["entropy"] = logs["entropy"]
                 checks = [value for key, value in logs.items() if key.endswith("served_equals_trained")]
@@ -441,6 +449,7 @@ def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean |logp_vLLM - logp_trainer| over the run, in its first and last tenth, and per pass over the prompts
     (a step's mismatch depends on the prompts it draws: two passes compare the same prompts)."""
     values = [s["logp_diff"] for s in steps if "logp_diff" in s]
+    equal = [s["logp_equal_fraction"] for s in steps if "logp_equal_fraction" in s]
     tenth = max(1, len(values) // 10)
     passes = [values[i : i + STEPS_PER_PASS] for i in range(0, len(values) - STEPS_PER_PASS + 1, STEPS_PER_PASS)]
     return {
@@ -448,6 +457,9 @@ def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "first_tenth": mean(values[:tenth]),
         "last_tenth": mean(values[-tenth:]),
         "by_pass": [statistics.mean(p) for p in passes],
+        # The share of sampled tokens whose two log-probabilities are equal bit for bit: its mean and lowest step.
+        "equal_fraction": mean(equal),
+        "equal_fraction_min": min(equal, default=None),
     }
 
 
