@@ -21,7 +21,8 @@ _BLOCK_M, _BLOCK_N = 32, 128
 
 @triton.jit
 def _lora_delta(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, cols, rank, R: tl.constexpr):
-    """``B @ A`` over one (BLOCK_M, BLOCK_N) tile of W, in fp32 with IEEE products: the merge kernels' shared math."""
+    """``B @ A`` over one (BLOCK_M, BLOCK_N) tile of W, in fp32 with IEEE products: the merge kernels' shared math.
+    A and B in fp32 as loaded (the grouped kernel's may be of another float dtype: exactly their ``.float()``)."""
     offs_r = tl.arange(0, R)
     b = tl.load(
         b_ptr + offs_m[:, None] * rank + offs_r[None, :], mask=mask_m[:, None] & (offs_r[None, :] < rank), other=0.0
@@ -29,7 +30,7 @@ def _lora_delta(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, cols, rank, R: tl.
     a = tl.load(
         a_ptr + offs_r[:, None] * cols + offs_n[None, :], mask=(offs_r[:, None] < rank) & mask_n[None, :], other=0.0
     )
-    return tl.dot(b, a, input_precision="ieee")
+    return tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -520,7 +521,7 @@ class GroupedMerges:
         self.device = targets[0].device
         shapes = [target.shape for target in targets]
         ranks = [lora_A.shape[0] for lora_A in lora_As]
-        self.padded_rank = _factors(lora_As[0], lora_Bs[0])[2]
+        self.padded_rank = max(16, triton.next_power_of_2(ranks[0]))
         rows = [shape[0] for shape in shapes]
         cols = [shape[1] for shape in shapes]
         addresses = [t.data_ptr() for tensors in (targets, lora_As, lora_Bs) for t in tensors]

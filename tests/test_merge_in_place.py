@@ -217,6 +217,20 @@ def test_a_group_merges_every_layer_by_one_launch_with_the_per_layer_kernels_bit
 
 
 @needs_kernels
+def test_a_group_reads_factors_of_another_float_dtype_as_their_fp32_values():
+    """The per-layer kernel merges ``A.float()`` and ``B.float()``; the grouped one casts them as it loads them."""
+    layers = [(w, a.bfloat16(), b.bfloat16()) for w, a, b in group_layers([1e-3, 1e-4, 1e-3])]
+    before = [weight.clone() for weight, _, _ in layers]
+    expected = [fused(weight, lora_A.float(), lora_B.float()) for weight, lora_A, lora_B in layers]
+    merged = MergedInPlace()
+    merged.merge_group(group_of(layers))
+    merged.settle()
+    assert all(torch.equal(bits(w), bits(e)) for (w, _, _), e in zip(layers, expected, strict=True))
+    merged.restore()
+    assert restored(layers, before)
+
+
+@needs_kernels
 def test_a_grouped_layer_whose_outliers_run_out_of_room_is_redone_with_a_copy_and_restores_bitwise():
     from colocate_grpo.kernels import MERGED_WORD
 
