@@ -22,7 +22,9 @@ class Experiment:
     64 a step generates); ``card_gib``: a simulated card's GiB (None: the whole device); ``cards``: the simulated
     cards a frontier searches, in GiB; ``ranks``: the GPU counts of a data-parallel experiment (one run each);
     ``together``: run the kinds side by side on the device (for what does not depend on time, such as the
-    mismatch over a long run); ``train_seconds``: stop each run after the step that passes that many seconds.
+    mismatch over a long run); ``train_seconds``: stop each run after the step that passes that many seconds;
+    ``completion_lengths``: a frontier over completion lengths (the longest that runs on ``card_gib``) instead of
+    over ``cards``.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Experiment:
     together: bool = False
     learning_rate: float | None = None
     train_seconds: float | None = None
+    completion_lengths: tuple[int, ...] = ()
     check: dict[str, Any] | None = field(default=None, compare=False)
     slow_check: bool = True
 
@@ -155,6 +158,43 @@ EXPERIMENTS = {
             cards=(12, 16, 24, 40, 80),
             # The CPU check prints the memory plan's side of the search: no training.
             check={"kinds": ("user", "user-merged", "user-adapter", "user-4bit")},
+            slow_check=False,
+        ),
+        Experiment(
+            "frontier-vs-unsloth",
+            "frontier",
+            "The smallest simulated card each tool runs each shape on with its own defaults, 64 sequences a step: "
+            "the user's config (the plan picks the micro-batches), Unsloth (gpu_memory_utilization 0.9 of the card) "
+            "and stock TRL",
+            shapes=("1.5B", "7B"),
+            kinds=("user", "unsloth", "stock"),
+            steps=3,
+            cards=(12, 16, 24, 40),
+            check={"kinds": ("user",)},
+            slow_check=False,
+        ),
+        Experiment(
+            "completion-frontier",
+            "frontier",
+            "The longest completion each tool trains at 1.5B on a simulated 24 GiB card, 64 sequences a step",
+            shapes=("1.5B",),
+            kinds=("user", "unsloth", "stock"),
+            steps=3,
+            card_gib=24,
+            completion_lengths=(1024, 2048, 4096, 8192, 16384, 32000),
+            check={"kinds": ("user",)},
+            slow_check=False,
+        ),
+        Experiment(
+            "completion-frontier-7B",
+            "frontier",
+            "The longest completion each tool trains at 7B on a simulated 40 GiB card, 64 sequences a step",
+            shapes=("7B",),
+            kinds=("user", "unsloth", "stock"),
+            steps=3,
+            card_gib=40,
+            completion_lengths=(1024, 2048, 4096, 8192, 16384, 32000),
+            check={"kinds": ("user",)},
             slow_check=False,
         ),
         Experiment(

@@ -37,6 +37,7 @@ from workload import (
     COMPLETION_TOKENS,
     GENERATION_BATCH,
     NUM_GENERATIONS,
+    PROMPT_TOKENS,
     STEPS_PER_PASS,
     benchmark_prompts,
     half_vocabulary_reward,
@@ -144,6 +145,12 @@ def batch_args(spec: RunSpec) -> dict[str, Any]:
     )
 
 
+def model_length(spec: RunSpec) -> int:
+    """Stock TRL's and Unsloth's engine length: ``MAX_MODEL_LENGTH``, or a prompt and the completion where that is
+    longer (the completion frontier), as a user of either sets it."""
+    return max(MAX_MODEL_LENGTH, PROMPT_TOKENS + spec.completion_tokens)
+
+
 def card_share(spec: RunSpec) -> float:
     """The share of the device a simulated card is (1 on the whole device): an engine's memory fraction is of the
     whole device, so on a simulated card it is scaled by this."""
@@ -167,7 +174,7 @@ def grpo_args(spec: RunSpec) -> GRPOConfig:
         vllm_mode="colocate",
         vllm_enable_sleep_mode=True,
         vllm_gpu_memory_utilization=(0.1 if spec.tiny else 0.3) * card_share(spec),
-        vllm_max_model_length=32 if spec.tiny else MAX_MODEL_LENGTH,
+        vllm_max_model_length=32 if spec.tiny else model_length(spec),
     )
 
 
@@ -266,7 +273,7 @@ def build_unsloth(spec: RunSpec) -> tuple[Any, Any]:
         os.environ["UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE"] = "1"
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=spec.model_path,
-        max_seq_length=MAX_MODEL_LENGTH,
+        max_seq_length=model_length(spec),
         load_in_4bit=spec.kind == "unsloth-4bit",
         fast_inference=True,
         max_lora_rank=16,

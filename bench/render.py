@@ -157,7 +157,7 @@ def training_table(results: list[dict], prefix: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        if r["kind"] is None or r["experiment"] == "memory-frontier" or r["failed"]:
+        if r["kind"] is None or EXPERIMENTS[r["experiment"]].runner == "frontier" or r["failed"]:
             continue
         stock = newest(results, experiment=r["experiment"], shape=r["shape"], kind="stock", folder=r["folder"])
         stock = None if stock is r else stock

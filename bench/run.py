@@ -358,13 +358,24 @@ def run_frontier(experiment: Experiment, session: Session, resume: bool) -> list
         return []
     existing = [json.loads(p.read_text()) for p in session.out_dir.glob(f"{experiment.name}--*.json")] if resume else []
 
-    def attempt(shape: str, kind: str, card_gib: float) -> dict:
-        spec = training_specs(dataclasses.replace(experiment, kinds=(kind,), card_gib=card_gib), session, shape, 1)
+    key, _ = frontier.axis(experiment)
+
+    def at(value: float) -> Experiment:
+        return dataclasses.replace(experiment, **{key: int(value) if key == "completion_tokens" else value})
+
+    def attempt(shape: str, kind: str, value: float) -> dict:
+        spec = training_specs(dataclasses.replace(at(value), kinds=(kind,)), session, shape, 1)
         record = run_spec(spec[kind], Path(spec[kind]["workdir"]))
         return session.result(experiment.name, shape, kind, config_of(spec[kind]), record)
 
-    def refused(shape: str, kind: str, card_gib: float, plan: dict) -> dict:
-        config = {"steps": experiment.steps, "micro_batch": experiment.micro_batch, "card_gib": card_gib}
+    def refused(shape: str, kind: str, value: float, plan: dict) -> dict:
+        point = at(value)
+        config = {
+            "steps": experiment.steps,
+            "micro_batch": experiment.micro_batch,
+            "card_gib": point.card_gib,
+            "completion_tokens": point.completion_tokens,
+        }
         reason = f"refused by the memory plan: {plan['summary']}"
         return session.result(experiment.name, shape, kind, config, {"failed": reason, "metrics": {"plan": plan}})
 

@@ -123,7 +123,7 @@ def shape_config(shape: str) -> Qwen2Config:
 
     return Qwen2Config(
         **QWEN25[base_shape(shape)],
-        max_position_embeddings=4096,
+        max_position_embeddings=32768,  # Qwen2.5's context: the completion frontier goes long
         tie_word_embeddings=False,
         eos_token_id=0,
         bos_token_id=0,

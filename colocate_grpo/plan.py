@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -68,6 +69,8 @@ class EngineSpec:
         memory_fraction, kv_cache_bytes: vLLM's ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (None: vLLM
             sizes the cache from the fraction).
         batch_invariant: vLLM's batch-invariant mode, whose kernels the trainer's forward shares
+        full_length_sequences: where the device has no room for the whole batch's KV cache at full length, how
+            many sequences at full length the smaller cache holds (vLLM queues the rest); None: the whole batch
             (``trl.vllm_bitwise_logprobs``, :mod:`colocate_grpo.bitwise`).
     """
 
@@ -84,6 +87,7 @@ class EngineSpec:
     kv_cache_bytes: int | None
     seed: int
     batch_invariant: bool = False
+    full_length_sequences: int | None = None
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -244,10 +248,17 @@ class RunPlan:
             cache = f"KV cache sized by vLLM from gpu_memory_utilization={engine.memory_fraction:.2g}"
         else:
             cache = f"KV cache {_size(engine.kv_cache_bytes)}"
+        at_once = f"{engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens at once"
+        if engine.full_length_sequences is not None:
+            at_once = (
+                f"{engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens, "
+                f"{engine.full_length_sequences} at once at full length (the device has no room for the whole "
+                "batch's KV cache: vLLM queues the rest)"
+            )
         lines = [
             f"Served as: {self.served_as}.",
-            f"Engine: {engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens at once "
-            f"(max_model_len {engine.options.max_model_len}), {cache}, {engine.dtype} on {self.device}.",
+            f"Engine: {at_once} (max_model_len {engine.options.max_model_len}), {cache}, {engine.dtype} on "
+            f"{self.device}.",
         ]
         if self.asynchronous is not None:
             lines.append(f"Generation: {self.asynchronous.describe()}")
@@ -498,7 +509,8 @@ def _derive(
     """
     four_bit = serving is Serving.QUANTIZED_BASE
     fp32_head = bool(args.cast_lm_head_to_fp32)
-    spec, kv, engine_weights = _size_engine(
+    size_engine = functools.partial(
+        _size_engine,
         model_path=model_path,
         options=options,
         device=device,
@@ -517,6 +529,7 @@ def _derive(
         total=memory.total if memory else None,
         batch_invariant=bitwise,
     )
+    spec, kv, engine_weights = size_engine()
     bitwise_mode = BitwiseMode(bool(args.vllm_importance_sampling_correction)) if bitwise else None
     sequence_tokens = spec.sequence_tokens
     requested = TrainingPlan(
@@ -569,6 +582,14 @@ def _derive(
             overlapped=asynchronous is not None,
         )
 
+    whole_batch = memory_plan(requested)
+    if options.kv_cache == "batch" and kv and whole_batch.generation_peak > whole_batch.free:
+        # Long sequences: a KV cache for part of the batch at full length, where one sequence fits; vLLM queues the
+        # rest (the generation takes longer, the run does not stop).
+        room = whole_batch.free - (whole_batch.generation_peak - whole_batch.kv_cache)
+        per_token = shape.kv_bytes_per_token(dtype if options.dtype == "auto" else getattr(torch, options.dtype))
+        if room >= kv_cache_bytes(per_token, 1, 0, spec.options.max_model_len or 0):  # vLLM's least: one sequence
+            spec, kv, _ = size_engine(kv_room=room)
     training = requested
     if checkpointing is None or smaller_micro_batches:
         values = (sequence_tokens or 0) * shape.hidden_size  # a sequence's hidden states
@@ -686,19 +707,24 @@ def _size_engine(
     seed: int,
     total: int | None,
     batch_invariant: bool = False,
+    kv_room: int | None = None,
 ) -> tuple[EngineSpec, int | None, int | None]:
-    """The engine's spec, the KV cache its batch needs and its weights' bytes (None: unknown).
+    """The engine's spec, its KV cache's bytes and its weights' bytes (None: unknown).
 
     ``dtype`` is the engine's; ``budget`` the run's prompt + completion tokens, where ``vllm.max_model_len`` is
-    unset; ``total`` the device's bytes (None on CPU).
+    unset; ``total`` the device's bytes (None on CPU). The KV cache holds the batch at full length, or, with
+    ``kv_room`` bytes less than that, what fits in them.
     """
     max_model_len = options.max_model_len or derived_max_model_len(budget, shape.context if shape else None)
     if max_model_len:
         sequence_tokens = min(max_model_len, sequence_tokens or max_model_len)
     kv_per_token = shape.kv_bytes_per_token(dtype) if shape is not None else None
-    kv = None
+    kv = full_length = None
     if kv_per_token and sequence_tokens:
         kv = kv_cache_bytes(kv_per_token, max_num_seqs, sequence_tokens, max_model_len or 0)
+        if kv_room is not None and kv_room < kv:
+            kv = kv_room
+            full_length = kv_room // kv_cache_bytes(kv_per_token, 1, sequence_tokens)
     weights = weight_bytes(shape, dtype, four_bit) if shape is not None else None
     fraction, engine_kv = engine_memory(options, device, weights, kv, total)
     spec = EngineSpec(
@@ -715,6 +741,7 @@ def _size_engine(
         kv_cache_bytes=engine_kv,
         seed=seed,
         batch_invariant=batch_invariant,
+        full_length_sequences=full_length,
     )
     return spec, kv, weights
 

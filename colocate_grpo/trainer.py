@@ -413,7 +413,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
 
-    def _get_per_token_logps_and_entropies(
+    def _logps_without_padding(
         self,
         model: Any,
         input_ids: torch.Tensor,
@@ -520,7 +520,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
             self._sampled = None
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
-        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        out = self._logps_without_padding(*args, **kwargs)
         if self._sampled is not None:  # the loss's forward (compute_loss); once
             self.logp_agreement.check(out[0], *self._sampled, step=self.state.global_step)
             self._sampled = None

@@ -207,3 +207,21 @@ def test_group_by_length_is_checked_with_the_key_named():
     # auto: bnpo gets the trimming alone, which keeps its loss.
     assert load_config({"trl": {"loss_type": "bnpo"}}).group_by_length == "auto"
     assert load_config({"group_by_length": False}).group_by_length is False
+
+
+def test_the_loss_forward_computes_the_trimmed_width(tmp_path):
+    """The model itself sees each micro-batch trimmed to its own longest prompt and completion (not only the
+    arithmetic of it): the forward the loss takes is the one that trims."""
+    trainer = tiny_trainer(tmp_path)
+    batch = with_varied_lengths(generation_batch(trainer))
+    micro_batch = group_by_length(split_tensor_dict(shuffle_sequence_dict(batch), ACCUMULATION), ACCUMULATION)[0]
+    widths = []
+    hook = trainer.model.get_base_model().model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].size(1)), with_kwargs=True
+    )
+    trainer.current_gradient_accumulation_steps = ACCUMULATION
+    trainer.compute_loss(trainer.model, micro_batch)
+    hook.remove()
+    trainer.close()
+    padded = micro_batch["prompt_ids"].size(1) + micro_batch["completion_ids"].size(1)
+    assert widths and max(widths) < padded, (widths, padded)
