@@ -102,6 +102,15 @@ EXPERIMENTS = {
             check={**TINY, "kinds": ("user", "user-no-grouping")},
         ),
         Experiment(
+            "bitwise",
+            "training",
+            "trl.vllm_bitwise_logprobs against the user's config at 1.5B: the mode's price in step time and memory, "
+            "and the share of sampled tokens whose logprobs vLLM and the trainer compute bit for bit",
+            kinds=("user", "user-bitwise"),
+            steps=8,
+            # No CPU check: the mode needs CUDA (refused on a CPU).
+        ),
+        Experiment(
             "stock-4bit",
             "training",
             "Stock TRL on an NF4 base against the user's load_in_4bit: true",

@@ -10,8 +10,9 @@ The shape ``tiny`` stands for a few small layers, for the CPU checks.
 - ``merge-in-place``: merging a LoRA into every linear of a shape in place with the record that restores it
   (``colocate_grpo.sync.MergedInPlace``), as a sync does: its time (the push) against one plain copy of the
   same bytes (the copy floor), the restore's, the record's bytes and outliers, whether every restore was
-  bitwise; by the one-pass kernels (in use) and by the merge then ``lora.overwrite``; on a GPU once more with
-  the record's steps in page-locked host memory.
+  bitwise; by one launch of the one-pass kernels for every layer (in use on a GPU, ``lora.MergeGroup``), by a
+  launch a layer, and by the merge then ``lora.overwrite``; on a GPU once more with the record's steps in
+  page-locked host memory. Each row's ``what`` names its path; the one a sync takes says ``(in use)``.
 - ``sync-kernels`` (CUDA): the sync's writes captured in a CUDA graph, as the sync replays them: the fused merge
   over every LoRA linear against one copy of the same bytes; the frozen tensors' copy by
   ``kernels.copy_by_kernel`` against ``copy_``; the adapter's factors by ``kernels.ScaledCopies`` against
@@ -165,7 +166,7 @@ def lora_speed(shape: str) -> list[dict[str, Any]]:
 
 
 def merge_in_place(shape: str) -> list[dict[str, Any]]:
-    from colocate_grpo.lora import merged_weight
+    from colocate_grpo.lora import MergeGroup, merged_weight
     from colocate_grpo.sync import MergedInPlace
 
     torch.manual_seed(0)
@@ -181,8 +182,16 @@ def merge_in_place(shape: str) -> list[dict[str, Any]]:
     weights = sum(weight.numel() for weight, _, _ in layers)
     floor = copy_floor_seconds(2 * weights)
 
-    def by_kernels(in_place: MergedInPlace) -> None:
-        """As a sync runs it: the record's memory for every layer, a kernel each, one wait."""
+    # As a sync runs it: one launch for every layer, its tables built once (sync._SharedMerge keeps them).
+    group = MergeGroup.of([weight for weight, _, _ in layers], [(a, b, SCALING) for _, a, b in layers])
+
+    def by_group(in_place: MergedInPlace) -> None:
+        """The group's one launch (a layer at a time with the record in host memory), one wait."""
+        in_place.merge_group(group)
+        in_place.settle()
+
+    def by_layers(in_place: MergedInPlace) -> None:
+        """The record's memory for every layer, a merge each (a kernel each on a GPU), one wait."""
         in_place.reserve([weight for weight, _, _ in layers])
         for weight, a, b in layers:
             in_place.merge(weight, a, b, SCALING)
@@ -193,10 +202,19 @@ def merge_in_place(shape: str) -> list[dict[str, Any]]:
         for weight, a, b in layers:
             in_place.add(weight, merged_weight(weight, a, b, SCALING))
 
-    ways = {"merge in place, one pass (in use)": by_kernels, "merge, then lora.overwrite": by_overwrite}
+    if group is not None:
+        ways = {
+            "merge in place, one launch for all layers (in use)": by_group,
+            "merge in place, a launch a layer": by_layers,
+        }
+    else:  # no kernels here: a sync merges a layer at a time in PyTorch
+        ways = {"merge in place, PyTorch a layer at a time (in use)": by_layers}
+    ways["merge, then lora.overwrite"] = by_overwrite
     rows = []
     for in_host_memory in (False, True) if device() == "cuda" else (False,):
         for what, push in ways.items():
+            if in_host_memory and push is not by_group:
+                continue  # with the record in host memory, the group merges a layer at a time: the one row
             what += ", record in host memory" if in_host_memory else ""
             in_place = MergedInPlace(in_host_memory=in_host_memory)
             rows.append({"what": what} | timed_merges(push, in_place, layers, before, floor))

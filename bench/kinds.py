@@ -105,6 +105,7 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-no-grouping": {"group_by_length": False},
     "user-checkpointing": {"gradient_checkpointing": True},
     "user-adamw-unfused": {"trl": {"optim": "adamw_torch"}},
+    "user-bitwise": {"trl": {"vllm_bitwise_logprobs": True}},
 }
 
 
@@ -313,6 +314,11 @@ KINDS: dict[str, Kind] = {
     "user-no-grouping": Kind("user-no-grouping", "user + group_by_length: false (TRL's padding)", build_user),
     "user-checkpointing": Kind("user-checkpointing", "user + gradient_checkpointing: true", build_user),
     "user-adamw-unfused": Kind("user-adamw-unfused", "user + trl.optim: adamw_torch (not fused)", build_user),
+    "user-bitwise": Kind(
+        "user-bitwise",
+        "user + trl.vllm_bitwise_logprobs: true (vLLM's batch-invariant kernels on both sides)",
+        build_user,
+    ),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
@@ -525,6 +531,8 @@ class StepRecorder:
                 step = recorder.steps[-1]
                 if "sampling/sampling_logp_difference/mean" in logs:
                     step["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
+                if "sampling/logp_equal_fraction" in logs:
+                    step["logp_equal_fraction"] = logs["sampling/logp_equal_fraction"]
                 if "entropy" in logs:
                     step["entropy"] = logs["entropy"]
                 checks = [value for key, value in logs.items() if key.endswith("served_equals_trained")]
@@ -569,6 +577,7 @@ def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean |logp_vLLM - logp_trainer| over the run, in its first and last tenth, and per pass over the prompts
     (a step's mismatch depends on the prompts it draws: two passes compare the same prompts)."""
     values = [s["logp_diff"] for s in steps if "logp_diff" in s]
+    equal = [s["logp_equal_fraction"] for s in steps if "logp_equal_fraction" in s]
     tenth = max(1, len(values) // 10)
     passes = [values[i : i + STEPS_PER_PASS] for i in range(0, len(values) - STEPS_PER_PASS + 1, STEPS_PER_PASS)]
     return {
@@ -576,6 +585,9 @@ def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "first_tenth": mean(values[:tenth]),
         "last_tenth": mean(values[-tenth:]),
         "by_pass": [statistics.mean(p) for p in passes],
+        # The share of sampled tokens whose two log-probabilities are equal bit for bit: its mean and lowest step.
+        "equal_fraction": mean(equal),
+        "equal_fraction_min": min(equal, default=None),
     }
 
 

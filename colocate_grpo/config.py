@@ -295,8 +295,14 @@ class Config:
 
     @property
     def trl_settings(self) -> dict[str, Any]:
-        """The trl: block over our defaults (colocated vLLM that sleeps while training)."""
-        return {**TRL_DEFAULTS, **self.trl}
+        """The trl: block over our defaults (colocated vLLM that sleeps while training).
+
+        With ``trl.vllm_bitwise_logprobs`` the importance-sampling correction defaults to off: the trainer's
+        log-probabilities equal the engine's, so its ratio is exactly 1 (docs/bitwise.md). Set
+        ``trl.vllm_importance_sampling_correction: true`` to compute it anyway.
+        """
+        bitwise = {"vllm_importance_sampling_correction": False} if self.trl.get("vllm_bitwise_logprobs") else {}
+        return {**TRL_DEFAULTS, **bitwise, **self.trl}
 
     @property
     def reward_funcs(self) -> list[str]:
@@ -324,11 +330,14 @@ TRL_DEFAULTS: dict[str, Any] = {
 }
 TASK_REWARDS = {"arithmetic": "colocate_grpo.tasks.arithmetic_reward"}
 
-# Keys of the trl: block that are ours (or Axolotl's), not GRPOConfig fields.
+# Keys of the trl: block that are ours (or Axolotl's), not GRPOConfig fields. vllm_bitwise_logprobs (docs/bitwise.md):
+# the trainer's log-probabilities bit for bit the engine's, through the same batch-invariant kernels; it sits beside
+# TRL's vllm_importance_sampling_* keys, whose correction it makes the identity.
 OWN_TRL_KEYS: dict[str, type | types.UnionType] = {
     "reward_funcs": list[str],
     "vllm_merge_check_interval": int,
     "vllm_lora_sync": bool,
+    "vllm_bitwise_logprobs": bool,
 }
 
 

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from transformers import TrainerCallback
 
-from colocate_grpo.metrics import ENGINE_PHASES, first_and_last_tenth, series, tenths_difference_noise
+from colocate_grpo.metrics import ENGINE_PHASES, EQUAL_KEY, first_and_last_tenth, series, tenths_difference_noise
 
 PHASES = (*ENGINE_PHASES, "train")
 FIGSIZE = (15, 8)  # inches, at 100 dpi
@@ -164,6 +164,12 @@ def draw(history: list[dict[str, Any]], figure: Figure | None = None) -> Figure:
     )
     mismatch_ax.set(title="|logprob vLLM - logprob trainer|", xlabel="step", yscale="log")
     mismatch_ax.legend(loc="upper right", fontsize="small")
+    equal_steps, equal = _series(history, EQUAL_KEY)
+    if equal:  # the share of sampled tokens whose two log-probabilities are equal bit for bit, on its own axis
+        equal_ax = mismatch_ax.twinx()
+        equal_ax.plot(equal_steps, equal, color="#238b45", label="equal bit for bit (right)")
+        equal_ax.set(ylim=(-0.02, 1.02), ylabel="share equal")
+        equal_ax.legend(loc="lower right", fontsize="small")
     for ax in axes[0]:  # the shared step axis is labelled on the bottom row
         ax.set_xlabel("")
     return figure
@@ -235,6 +241,13 @@ def summary(history: list[dict[str, Any]]) -> str:
         lines.append(
             f"Mean |logprob vLLM - trainer|: {sum(mismatch) / len(mismatch):.4f}; first tenth {first:.4f}, last "
             f"tenth {last:.4f} ({trend})"
+        )
+    equal = _series(history, EQUAL_KEY)[1]
+    if equal:
+        below = sum(value < 1 for value in equal)
+        lines.append(
+            f"Log-probabilities equal bit for bit (vLLM and trainer): {100 * sum(equal) / len(equal):.1f}% of sampled "
+            f"tokens; below 100% at {below} of {len(equal)} steps"
         )
     retained = _series(history, "lora_merge/retained")[1]
     exact = _series(history, "lora_merge/served_equals_trained")[1]

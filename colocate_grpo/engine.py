@@ -332,6 +332,10 @@ def _llm_arguments(spec: EngineSpec, sleep_mode: bool, ranks: int) -> dict[str, 
         arguments["distributed_executor_backend"] = "external_launcher"
     if spec.fp32_head:
         arguments["hf_overrides"] = {"head_dtype": "float32"}
+    if spec.batch_invariant:  # the kernels the trainer's forward shares (colocate_grpo.bitwise)
+        from colocate_grpo.bitwise import engine_arguments
+
+        arguments |= engine_arguments(options.enforce_eager)
     return arguments
 
 

@@ -8,6 +8,8 @@ entry; the merge kernel reads W in its own dtype and writes the cast result once
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +21,8 @@ _BLOCK_M, _BLOCK_N = 32, 128
 
 @triton.jit
 def _lora_delta(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, cols, rank, R: tl.constexpr):
-    """``B @ A`` over one (BLOCK_M, BLOCK_N) tile of W, in fp32 with IEEE products: the merge kernels' shared math."""
+    """``B @ A`` over one (BLOCK_M, BLOCK_N) tile of W, in fp32 with IEEE products: the merge kernels' shared math.
+    A and B in fp32 as loaded (the grouped kernel's may be of another float dtype: exactly their ``.float()``)."""
     offs_r = tl.arange(0, R)
     b = tl.load(
         b_ptr + offs_m[:, None] * rank + offs_r[None, :], mask=mask_m[:, None] & (offs_r[None, :] < rank), other=0.0
@@ -27,7 +30,7 @@ def _lora_delta(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, cols, rank, R: tl.
     a = tl.load(
         a_ptr + offs_r[:, None] * cols + offs_n[None, :], mask=(offs_r[:, None] < rank) & mask_n[None, :], other=0.0
     )
-    return tl.dot(b, a, input_precision="ieee")
+    return tl.dot(b.to(tl.float32), a.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -87,9 +90,77 @@ def fused_merged_weight(
 
 # A merge record's state on the device: int32 words (lora.Overwritten.state), zeros before its merge.
 STATE_WORDS = 4  # a record's words, rounded up to 16 bytes
-_APPENDED = tl.constexpr(0)  # outliers the merge counted; past the record's capacity, some were left unmerged
-_MERGED = tl.constexpr(1)  # 1 from the merge kernel's run until a restore undid it
-_DONE = tl.constexpr(2)  # programs of the running restore that have finished
+_STATE_WORDS = tl.constexpr(STATE_WORDS)
+APPENDED_WORD, MERGED_WORD, DONE_WORD = 0, 1, 2
+_APPENDED = tl.constexpr(APPENDED_WORD)  # outliers the merge counted; past the record's capacity, some left unmerged
+_MERGED = tl.constexpr(MERGED_WORD)  # 1 from the merge kernel's run until a restore undid it
+_DONE = tl.constexpr(DONE_WORD)  # programs of the running restore that have finished
+
+# Warps of a merge in place's program (a 32 x 128 tile): with 4, as the fused merge runs, its outliers' handling held
+# 202 to 255 registers a thread (spilling with the old slots' scans) and two programs an SM; with 16, 64 registers
+# and 32 warps an SM (ptxas for sm_90). Each value's rank-r product is the same chain of FMAs whatever the warps, so
+# the bits are fused_merged_weight's (tests/test_merge_in_place.py).
+_MERGE_IN_PLACE_WARPS = 16
+# A restore's program: 4096 values (8 KB of a 16-bit tensor) by 8 warps, 64 registers a thread (124 with 4 warps).
+_UNDO_BLOCK, _UNDO_WARPS = 4096, 8
+# The grouped kernels hold their layer's addresses in registers, where the per-layer ones read their arguments:
+# 80 and 76 a thread, capped at 64 (the merge spills 16 bytes) so that an SM runs as many of their programs.
+_GROUPED_REGISTERS = 64
+
+
+@triton.jit
+def _merge_tile_in_place(
+    w_ptr,
+    a_ptr,
+    b_ptr,
+    steps_ptr,
+    outliers_ptr,
+    outlier_bits_ptr,
+    state_ptr,
+    rows,
+    cols,
+    rank,
+    scaling,
+    capacity,
+    pid_m,
+    pid_n,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Tile (pid_m, pid_n) of a merge in place and its record: the per-layer and the grouped kernel's body."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < rows
+    mask_n = offs_n < cols
+    delta = _lora_delta(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, cols, rank, R)
+    tile = offs_m[:, None] * cols + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    w = tl.load(w_ptr + tile, mask=mask, other=0.0)
+    merged = (w.to(tl.float32) + scaling * delta).to(w_ptr.dtype.element_ty)  # _merge_kernel's expression
+    bits_type = outlier_bits_ptr.dtype.element_ty
+    old_bits = w.to(bits_type, bitcast=True)
+    new_bits = merged.to(bits_type, bitcast=True)
+    step = old_bits - new_bits  # wraps: the restore's add wraps back
+    small = step.to(tl.int8)
+    fits = small.to(bits_type) == step
+    outlier = mask & ~fits
+    tl.store(steps_ptr + tile, tl.where(fits, small, 0).to(tl.int8), mask=mask)
+    written = fits
+    # Few tiles hold outliers, and few of their values: each takes a slot from the count with an atomic of its own
+    # (the slots' order is of no matter). Prefix sums over every tile's values gave every slot its place, at the
+    # cost of registers that halved the programs an SM runs.
+    if tl.max(tl.max(outlier.to(tl.int32), axis=1), axis=0) > 0:
+        slot = tl.atomic_add(state_ptr + _APPENDED + tl.zeros_like(tile), 1, mask=outlier, sem="relaxed")
+        kept = outlier & (slot < capacity)
+        tl.store(outliers_ptr + slot, tile.to(tl.int64), mask=kept)
+        tl.store(outlier_bits_ptr + slot, old_bits, mask=kept)
+        written = fits | kept
+    # An outlier past the capacity keeps its old bits (its step is 0). The whole tile is stored, unchanged values
+    # with their own bits: wide stores, where a store of the changed values alone takes one a value.
+    tl.store(w_ptr + tile, tl.where(written, merged, w), mask=mask)
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(state_ptr + _MERGED, 1)
 
 
 @triton.jit
@@ -110,40 +181,25 @@ def _merge_in_place_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < rows
-    mask_n = offs_n < cols
-    delta = _lora_delta(a_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, cols, rank, R)
-    tile = offs_m[:, None] * cols + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    w = tl.load(w_ptr + tile, mask=mask, other=0.0)
-    merged = (w.to(tl.float32) + scaling * delta).to(w_ptr.dtype.element_ty)  # _merge_kernel's expression
-    bits_type = outlier_bits_ptr.dtype.element_ty
-    old_bits = w.to(bits_type, bitcast=True)
-    new_bits = merged.to(bits_type, bitcast=True)
-    step = old_bits - new_bits  # wraps: the restore's add wraps back
-    small = step.to(tl.int8)
-    fits = small.to(bits_type) == step
-    outlier = mask & ~fits
-    # Each outlier's slot: the tile's first, taken from the count with one atomic, plus the outliers before it
-    # in the tile, row-major.
-    flags = outlier.to(tl.int32)
-    row_counts = tl.sum(flags, axis=1)
-    before = (tl.cumsum(row_counts, axis=0) - row_counts)[:, None] + tl.cumsum(flags, axis=1) - flags
-    tile_count = tl.sum(row_counts, axis=0)
-    first = tl.atomic_add(state_ptr + _APPENDED, tile_count, mask=tile_count > 0)
-    slot = first + before
-    kept = outlier & (slot < capacity)
-    tl.store(outliers_ptr + slot, tile.to(tl.int64), mask=kept)
-    tl.store(outlier_bits_ptr + slot, old_bits, mask=kept)
-    tl.store(steps_ptr + tile, tl.where(fits, small, 0).to(tl.int8), mask=mask)
-    # An outlier past the capacity keeps its old bits (its step is 0); unchanged values need no write.
-    tl.store(w_ptr + tile, merged, mask=mask & (fits | kept) & (new_bits != old_bits))
-    if (pid_m == 0) & (pid_n == 0):
-        tl.store(state_ptr + _MERGED, 1)
+    _merge_tile_in_place(
+        w_ptr,
+        a_ptr,
+        b_ptr,
+        steps_ptr,
+        outliers_ptr,
+        outlier_bits_ptr,
+        state_ptr,
+        rows,
+        cols,
+        rank,
+        scaling,
+        capacity,
+        tl.program_id(0),
+        tl.program_id(1),
+        R,
+        BLOCK_M,
+        BLOCK_N,
+    )
 
 
 def merge_in_place(
@@ -160,9 +216,10 @@ def merge_in_place(
 
     Each value's old bits minus its new ones (integers, wrapping) go to ``steps`` where they fit in int8.
     Elsewhere the step is 0, and the value's flat index and old bits are appended to ``outliers`` and
-    ``outlier_bits``, counted in ``state``. An outlier past their capacity is left unmerged (its old bits, step
-    0) but counted, so that a count over the capacity tells of it; the record undoes the merge exactly either
-    way. The merged bits are :func:`fused_merged_weight`'s: the same tiles and math.
+    ``outlier_bits`` (in no particular order), counted in ``state``. An outlier past their capacity is left
+    unmerged (its old bits, step 0) but counted, so that a count over the capacity tells of it; the record undoes
+    the merge exactly either way. The merged bits are :func:`fused_merged_weight`'s: the same tiles and math.
+    :class:`GroupedMerges` does this for many layers in one launch.
 
     Args:
         base: W, shape (rows, cols), a contiguous 16- or 32-bit float tensor on the device.
@@ -190,6 +247,7 @@ def merge_in_place(
         R=padded_rank,
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
+        num_warps=_MERGE_IN_PLACE_WARPS,
     )
 
 
@@ -214,6 +272,36 @@ def _put_outliers_back(bits_ptr, outliers_ptr, outlier_bits_ptr, count, block, B
 
 
 @triton.jit
+def _undo_block(
+    bits_ptr,
+    steps_ptr,
+    outliers_ptr,
+    outlier_bits_ptr,
+    state_ptr,
+    n,
+    capacity,
+    step_blocks,
+    block,
+    programs,
+    SPEND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Block ``block`` of the ``programs`` that undo one record: the per-layer and the grouped kernel's body."""
+    if tl.load(state_ptr + _MERGED) == 1:  # else nothing was merged, or a restore undid it already
+        if block < step_blocks:
+            _add_steps(bits_ptr, steps_ptr, n, block, BLOCK)
+        else:
+            count = tl.minimum(tl.load(state_ptr + _APPENDED), capacity)
+            _put_outliers_back(bits_ptr, outliers_ptr, outlier_bits_ptr, count, block - step_blocks, BLOCK)
+        if SPEND:
+            # The last program to finish marks the record undone: every program read the mark before its add.
+            finished = tl.atomic_add(state_ptr + _DONE, 1)
+            if finished == programs - 1:
+                tl.store(state_ptr + _MERGED, 0)
+                tl.store(state_ptr + _DONE, 0)
+
+
+@triton.jit
 def _undo_merge_kernel(
     bits_ptr,
     steps_ptr,
@@ -226,19 +314,20 @@ def _undo_merge_kernel(
     SPEND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if tl.load(state_ptr + _MERGED) == 1:  # else nothing was merged, or a restore undid it already
-        if pid < step_blocks:
-            _add_steps(bits_ptr, steps_ptr, n, pid, BLOCK)
-        else:
-            count = tl.minimum(tl.load(state_ptr + _APPENDED), capacity)
-            _put_outliers_back(bits_ptr, outliers_ptr, outlier_bits_ptr, count, pid - step_blocks, BLOCK)
-        if SPEND:
-            # The last program to finish marks the record undone: every program read the mark before its add.
-            finished = tl.atomic_add(state_ptr + _DONE, 1)
-            if finished == tl.num_programs(0) - 1:
-                tl.store(state_ptr + _MERGED, 0)
-                tl.store(state_ptr + _DONE, 0)
+    _undo_block(
+        bits_ptr,
+        steps_ptr,
+        outliers_ptr,
+        outlier_bits_ptr,
+        state_ptr,
+        n,
+        capacity,
+        step_blocks,
+        tl.program_id(0),
+        tl.num_programs(0),
+        SPEND,
+        BLOCK,
+    )
 
 
 def undo_merge(
@@ -262,12 +351,271 @@ def undo_merge(
             no-op); False for a copy, which leaves the record as it was.
     """
     n = bits.numel()
-    block = 4096  # 8 KB of a 16-bit tensor a program: 17k programs, and as many atomic adds, for 7B's largest linear
-    step_blocks = triton.cdiv(n, block)
-    grid = (step_blocks + triton.cdiv(outliers.numel(), block),)
+    step_blocks = triton.cdiv(n, _UNDO_BLOCK)  # 17k programs, and as many atomic adds, for 7B's largest linear
+    grid = (step_blocks + triton.cdiv(outliers.numel(), _UNDO_BLOCK),)
     _undo_merge_kernel[grid](
-        bits, steps, outliers, outlier_bits, state, n, outliers.numel(), step_blocks, SPEND=spend, BLOCK=block
+        bits,
+        steps,
+        outliers,
+        outlier_bits,
+        state,
+        n,
+        outliers.numel(),
+        step_blocks,
+        SPEND=spend,
+        BLOCK=_UNDO_BLOCK,
+        num_warps=_UNDO_WARPS,
     )
+
+
+# The grouped kernels' table: a row of int64 fields a layer.
+_W, _A, _B, _ROWS, _COLS, _RANK, _STEPS, _SLOTS, _CAPACITY = (tl.constexpr(i) for i in range(9))
+_FIELDS = tl.constexpr(9)
+
+
+@triton.jit
+def _layer_of(starts_ptr, pid, layers, SEARCH_STEPS: tl.constexpr):
+    """The layer whose programs hold program ``pid``: the last ``i`` with ``starts[i] <= pid``, by binary search
+    over the layers' first programs (ascending from 0; ``SEARCH_STEPS`` = ceil(log2(layers)))."""
+    lo = 0
+    hi = layers
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(starts_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _grouped_merge_in_place_kernel(
+    table_ptr,
+    scalings_ptr,
+    tile_starts_ptr,
+    layers,
+    steps_ptr,
+    outliers_ptr,
+    outlier_bits_ptr,
+    states_ptr,
+    w_like,
+    a_like,
+    b_like,
+    SEARCH_STEPS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    RANK_ALIGN: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    layer = _layer_of(tile_starts_ptr, pid, layers, SEARCH_STEPS)
+    row = table_ptr + layer * _FIELDS
+    # The alignments Triton assumes of a launch's arguments (16 bytes, columns a multiple of 16), where every layer
+    # has them: wide loads and stores.
+    w_ptr = tl.multiple_of(tl.load(row + _W).to(tl.pointer_type(w_like.dtype.element_ty)), ALIGN)
+    a_ptr = tl.multiple_of(tl.load(row + _A).to(tl.pointer_type(a_like.dtype.element_ty)), ALIGN)
+    b_ptr = tl.multiple_of(tl.load(row + _B).to(tl.pointer_type(b_like.dtype.element_ty)), ALIGN)
+    rows = tl.load(row + _ROWS).to(tl.int32)
+    cols = tl.multiple_of(tl.load(row + _COLS).to(tl.int32), ALIGN)
+    rank = tl.multiple_of(tl.load(row + _RANK).to(tl.int32), RANK_ALIGN)
+    slots = tl.load(row + _SLOTS)
+    tile = pid - tl.load(tile_starts_ptr + layer)
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    _merge_tile_in_place(
+        w_ptr,
+        a_ptr,
+        b_ptr,
+        steps_ptr + tl.multiple_of(tl.load(row + _STEPS), ALIGN),
+        outliers_ptr + slots,
+        outlier_bits_ptr + slots,
+        states_ptr + layer * _STATE_WORDS,
+        rows,
+        cols,
+        rank,
+        tl.load(scalings_ptr + layer),
+        tl.load(row + _CAPACITY).to(tl.int32),
+        tile % tiles_m,  # down the rows first, as the per-layer kernel's grid runs
+        tile // tiles_m,
+        R,
+        BLOCK_M,
+        BLOCK_N,
+    )
+
+
+@triton.jit
+def _grouped_undo_merge_kernel(
+    table_ptr,
+    block_starts_ptr,
+    layers,
+    steps_ptr,
+    outliers_ptr,
+    outlier_bits_ptr,
+    states_ptr,
+    SEARCH_STEPS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    layer = _layer_of(block_starts_ptr, pid, layers, SEARCH_STEPS)
+    start = tl.load(block_starts_ptr + layer)
+    row = table_ptr + layer * _FIELDS
+    bits_ptr = tl.multiple_of(tl.load(row + _W).to(tl.pointer_type(outlier_bits_ptr.dtype.element_ty)), ALIGN)
+    n = tl.load(row + _ROWS) * tl.load(row + _COLS)
+    slots = tl.load(row + _SLOTS)
+    _undo_block(
+        bits_ptr,
+        steps_ptr + tl.multiple_of(tl.load(row + _STEPS), ALIGN),
+        outliers_ptr + slots,
+        outlier_bits_ptr + slots,
+        states_ptr + layer * _STATE_WORDS,
+        n,
+        tl.load(row + _CAPACITY),
+        tl.cdiv(n, BLOCK),
+        pid - start,
+        tl.load(block_starts_ptr + layer + 1) - start,
+        True,
+        BLOCK,
+    )
+
+
+def _alignment(values: list[int], most: int = 16) -> int:
+    """The largest power of two up to ``most`` that divides every value."""
+    align = most
+    while align > 1 and any(value % align for value in values):
+        align //= 2
+    return align
+
+
+class GroupedMerges:
+    """:func:`merge_in_place` into many layers by one kernel launch, and their restore (:func:`undo_merge` with
+    ``spend``) by another: each program finds its layer by a binary search over the layers' first programs, and
+    the layer's addresses, shape, scaling and place in the record memory in a table on the device.
+
+    Built once for a set of layers and reused by every merge while they are the same tensors: it holds them (W, A,
+    B), so their addresses stay theirs; the kernels read the values at each launch. The records' memory is the
+    caller's (allocated for each merge, the layers' records one after another in it, as ``steps_starts`` and
+    ``slot_starts`` say), so that it can be freed between merges. A layer's merged bits and record are the
+    per-layer kernel's: the same body, and the factors' values in fp32 as :func:`merge_in_place` reads them.
+
+    Args:
+        targets: the W of each layer: contiguous, of one 16- or 32-bit float dtype, on one device, not empty.
+        lora_As, lora_Bs: contiguous; all A of one float dtype, all B of one, padding to one rank for ``tl.dot``.
+        scalings: each layer's.
+        steps_starts: where each layer's steps start in the steps' memory (int8, a value each).
+        slot_starts, capacities: where each layer's outlier slots start, and how many it has.
+    """
+
+    def __init__(
+        self,
+        targets: list[torch.Tensor],
+        lora_As: list[torch.Tensor],
+        lora_Bs: list[torch.Tensor],
+        scalings: list[float],
+        steps_starts: list[int],
+        slot_starts: list[int],
+        capacities: list[int],
+    ) -> None:
+        if not self.takes(targets, lora_As, lora_Bs):
+            raise ValueError("GroupedMerges needs contiguous tensors, of one dtype each kind, padding to one rank")
+        self.targets, self.lora_As, self.lora_Bs = targets, lora_As, lora_Bs
+        self.device = targets[0].device
+        shapes = [target.shape for target in targets]
+        ranks = [lora_A.shape[0] for lora_A in lora_As]
+        self.padded_rank = max(16, triton.next_power_of_2(ranks[0]))
+        rows = [shape[0] for shape in shapes]
+        cols = [shape[1] for shape in shapes]
+        addresses = [t.data_ptr() for tensors in (targets, lora_As, lora_Bs) for t in tensors]
+        self.align = _alignment(addresses + cols + steps_starts)  # what a launch of the per-layer kernel assumes
+        self.rank_align = _alignment(ranks)
+        table = [
+            [w.data_ptr(), a.data_ptr(), b.data_ptr(), m, n, r, steps, slots, capacity]
+            for w, a, b, m, n, r, steps, slots, capacity in zip(
+                targets, lora_As, lora_Bs, rows, cols, ranks, steps_starts, slot_starts, capacities, strict=True
+            )
+        ]
+        tiles = [triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N) for m, n in zip(rows, cols, strict=True)]
+        blocks = [
+            triton.cdiv(m * n, _UNDO_BLOCK) + triton.cdiv(capacity, _UNDO_BLOCK)
+            for m, n, capacity in zip(rows, cols, capacities, strict=True)
+        ]
+        self.layers = len(targets)
+        self.search_steps = (self.layers - 1).bit_length()
+        self.tiles, self.blocks = sum(tiles), sum(blocks)
+        self.table = _on_device(torch.tensor(table, dtype=torch.int64), self.device)
+        self.scalings = _on_device(torch.tensor(scalings, dtype=torch.float32), self.device)
+        self.tile_starts = _on_device(_starts(tiles), self.device)
+        self.block_starts = _on_device(_starts(blocks), self.device)
+
+    @staticmethod
+    def takes(targets: list[torch.Tensor], lora_As: list[torch.Tensor], lora_Bs: list[torch.Tensor]) -> bool:
+        """Whether one grouped launch can merge these layers (see the class)."""
+        if not targets:
+            return False
+        first = targets[0]
+        ranks = {max(16, triton.next_power_of_2(lora_A.shape[0])) for lora_A in lora_As}
+        return (
+            len(ranks) == 1
+            and all(t.dtype == first.dtype and t.device == first.device and t.numel() for t in targets)
+            and all(t.is_contiguous() for tensors in (targets, lora_As, lora_Bs) for t in tensors)
+            and len({t.dtype for t in lora_As}) == 1
+            and len({t.dtype for t in lora_Bs}) == 1
+            and all(t.dtype.is_floating_point and t.device == first.device for t in lora_As + lora_Bs)
+        )
+
+    def merge(self, steps: torch.Tensor, outliers: torch.Tensor, outlier_bits: torch.Tensor, states: torch.Tensor):
+        """Launch the merges of every layer (:func:`merge_in_place`'s, each into its record's place); ``states``:
+        int32 (layers, STATE_WORDS), zeros."""
+        _grouped_merge_in_place_kernel[(self.tiles,)](
+            self.table,
+            self.scalings,
+            self.tile_starts,
+            self.layers,
+            steps,
+            outliers,
+            outlier_bits,
+            states,
+            self.targets[0],
+            self.lora_As[0],
+            self.lora_Bs[0],
+            SEARCH_STEPS=self.search_steps,
+            ALIGN=self.align,
+            RANK_ALIGN=self.rank_align,
+            R=self.padded_rank,
+            BLOCK_M=_BLOCK_M,
+            BLOCK_N=_BLOCK_N,
+            num_warps=_MERGE_IN_PLACE_WARPS,
+            maxnreg=_GROUPED_REGISTERS,
+        )
+
+    def undo(self, steps: torch.Tensor, outliers: torch.Tensor, outlier_bits: torch.Tensor, states: torch.Tensor):
+        """Launch the restore of every layer (:func:`undo_merge` with ``spend``): a layer whose state says it was not
+        merged, or was restored already, is left as it is."""
+        _grouped_undo_merge_kernel[(self.blocks,)](
+            self.table,
+            self.block_starts,
+            self.layers,
+            steps,
+            outliers,
+            outlier_bits,
+            states,
+            SEARCH_STEPS=self.search_steps,
+            ALIGN=self.align,
+            BLOCK=_UNDO_BLOCK,
+            num_warps=_UNDO_WARPS,
+            maxnreg=_GROUPED_REGISTERS,
+        )
+
+
+def _starts(counts: list[int]) -> torch.Tensor:
+    """Each count's first index in their concatenation, and the total last (int64)."""
+    return torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor copied to ``device`` without waiting for it (from page-locked memory on CUDA)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @triton.jit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import statistics
 import time
@@ -17,6 +18,8 @@ import torch
 from transformers import TrainerCallback
 
 from colocate_grpo.metrics_file import append_line
+
+logger = logging.getLogger(__name__)
 
 GIB = 2**30
 # Phases timed explicitly; "train" is the rest of the step (scoring, logprobs, forward, backward, optimizer).
@@ -188,3 +191,65 @@ class PhaseMetrics(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
         self.record(self.clock.end_step())
+
+
+EQUAL_KEY = "sampling/logp_equal_fraction"
+# TRL's keys for the mean and largest |logprob vLLM - logprob trainer|, which it logs only with its importance-sampling
+# correction on.
+DIFFERENCE_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+
+
+class LogpAgreement:
+    """The trainer's log-probabilities of the sampled tokens, from the forward that the loss is computed with,
+    against the engine's: ``sampling/logp_equal_fraction``, the share equal bit for bit, each micro-batch scored
+    with the weights that sampled it (before the first optimizer step after the generation).
+
+    Args:
+        record: receives the metrics (averaged into the step's log).
+        bitwise: whether the run computes them bit for bit (``trl.vllm_bitwise_logprobs``): a share below 1 is
+            then warned about, once each time it drops.
+        log_differences: also record TRL's mean and largest |difference| (TRL logs them itself only with its
+            importance-sampling correction on).
+    """
+
+    def __init__(self, record: Callable[[dict[str, float]], None], bitwise: bool, log_differences: bool) -> None:
+        self.record, self.bitwise, self.log_differences = record, bitwise, log_differences
+        self.equal = True
+
+    def check(self, trained: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor, step: int) -> None:
+        """Record how ``trained`` (fp32, one row a completion) agrees with ``sampled`` over ``mask``'s tokens that
+        the engine scored (NaN where it could not)."""
+        metrics = logp_agreement(trained, sampled, mask)
+        if not metrics:
+            return
+        if not self.log_differences:
+            metrics = {EQUAL_KEY: metrics[EQUAL_KEY]}
+        self.record(metrics)
+        equal = metrics[EQUAL_KEY] == 1.0
+        if self.bitwise and self.equal and not equal:
+            logger.warning(
+                "%s is %.4f at step %d: the trainer's log-probabilities differ from the engine's on some sampled "
+                "tokens, though trl.vllm_bitwise_logprobs computes them with the same kernels (docs/bitwise.md).",
+                EQUAL_KEY,
+                metrics[EQUAL_KEY],
+                step,
+            )
+        self.equal = equal
+
+
+def logp_agreement(trained: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The share of ``mask``'s tokens whose two log-probabilities are equal bit for bit, and TRL's mean and largest
+    |difference|; tokens the engine could not score (NaN) are left out. Empty when no token is left."""
+    valid = mask.bool() & ~torch.isnan(sampled)
+    trained, sampled = trained.detach().float()[valid], sampled.float()[valid]
+    if trained.numel() == 0:
+        return {}
+    difference = (trained - sampled).abs()
+    # Bit for bit: the fp32 patterns (0.0 and -0.0 differ; equal values always have equal patterns otherwise).
+    equal = trained.view(torch.int32) == sampled.view(torch.int32)
+    mean, largest = DIFFERENCE_KEYS
+    return {
+        EQUAL_KEY: equal.float().mean().item(),
+        mean: difference.mean().item(),
+        largest: difference.max().item(),
+    }

@@ -68,6 +68,8 @@ class EngineSpec:
         sequence_tokens: tokens one sequence takes at most (the longest prompt + the completion), for the KV cache.
         memory_fraction, kv_cache_bytes: vLLM's ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (None: vLLM
             sizes the cache from the fraction).
+        batch_invariant: vLLM's batch-invariant mode, whose kernels the trainer's forward shares
+            (``trl.vllm_bitwise_logprobs``, :mod:`colocate_grpo.bitwise`).
     """
 
     model_path: str
@@ -82,6 +84,7 @@ class EngineSpec:
     memory_fraction: float
     kv_cache_bytes: int | None
     seed: int
+    batch_invariant: bool = False
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -93,15 +96,17 @@ class EngineSpec:
             "LoRA rank": self.max_lora_rank,
             "trl.cast_lm_head_to_fp32": self.fp32_head,
             "quantization": self.quantization,
+            # Only where on: other engines' identities (and plan.yaml) stay as they were.
+            **({"trl.vllm_bitwise_logprobs": True} if self.batch_invariant else {}),
         }
 
     def differences(self, wanted: EngineSpec) -> str:
         """Each setting of this engine's identity that ``wanted`` differs in, as ``key built (this run: wanted)``."""
-        built = self.identity
+        built, asked = self.identity, wanted.identity
         return "; ".join(
-            f"{key} {built.get(key)!r} (this run: {value!r})"
-            for key, value in wanted.identity.items()
-            if built.get(key) != value
+            f"{key} {built.get(key)!r} (this run: {asked.get(key)!r})"
+            for key in {**asked, **built}
+            if built.get(key) != asked.get(key)
         )
 
     def batch_shortfall(self, wanted: EngineSpec) -> str | None:
@@ -158,6 +163,31 @@ class TrainingPlan:
 
 
 @dataclass(frozen=True)
+class BitwiseMode:
+    """``trl.vllm_bitwise_logprobs``: the trainer's log-probabilities of the sampled tokens equal the engine's bit for
+    bit (docs/bitwise.md).
+
+    Attributes:
+        importance_sampling_correction: whether TRL still computes its importance-sampling correction, whose ratio
+            is then exactly 1 (``trl.vllm_importance_sampling_correction``; off unless the config sets it).
+    """
+
+    importance_sampling_correction: bool
+
+    def describe(self) -> str:
+        correction = (
+            "computed as asked (trl.vllm_importance_sampling_correction: true), though its ratio is 1"
+            if self.importance_sampling_correction
+            else "skipped, as its ratio is exactly 1"
+        )
+        return (
+            "Log-probabilities: the trainer's equal the engine's bit for bit (vLLM's batch-invariant kernels on both "
+            f"sides; sampling/logp_equal_fraction checks it every step); the importance-sampling correction is "
+            f"{correction}."
+        )
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """The device's free and total bytes before the model loads, and the host memory available."""
 
@@ -189,6 +219,7 @@ class RunPlan:
         training: the trainer's micro-batches and gradient checkpointing.
         memory: the device memory plan on a GPU, else None.
         asynchronous: asynchronous generation's settings, or None: generate, then train.
+        bitwise: the bitwise log-probabilities mode's settings, or None: the kernels of each side's own choosing.
     """
 
     device: str
@@ -200,6 +231,7 @@ class RunPlan:
     training: TrainingPlan
     memory: MemoryPlan | None
     asynchronous: AsyncMode | None = None
+    bitwise: BitwiseMode | None = None
 
     @property
     def merge_record_in_host_memory(self) -> bool:
@@ -224,6 +256,8 @@ class RunPlan:
         ]
         if self.asynchronous is not None:
             lines.append(f"Generation: {self.asynchronous.describe()}")
+        if self.bitwise is not None:
+            lines.append(self.bitwise.describe())
         lines.append(self.training.describe())
         if self.memory is not None:
             lines.append(self.memory.summary())
@@ -248,6 +282,7 @@ class RunPlan:
             "memory": None if self.memory is None else dataclasses.asdict(self.memory),
             # Only where the run generates asynchronously: a sequential run's plan.yaml stays as it was.
             **({} if self.asynchronous is None else {"async_generation": dataclasses.asdict(self.asynchronous)}),
+            **({} if self.bitwise is None else {"bitwise_logprobs": dataclasses.asdict(self.bitwise)}),
         }
 
 
@@ -348,6 +383,7 @@ def plan_run(
         checkpointing=None if config.gradient_checkpointing == "auto" else config.gradient_checkpointing,
         smaller_micro_batches=True,
         asynchronous=AsyncMode(config.max_staleness) if config.async_generation else None,
+        bitwise=bool(config.trl.get("vllm_bitwise_logprobs")),
     )
 
 
@@ -359,6 +395,7 @@ def plan_for_model(
     serve_adapter: bool = False,
     sequence_tokens: int | None = None,
     asynchronous: AsyncMode | None = None,
+    bitwise_logprobs: bool = False,
 ) -> RunPlan:
     """The plan of a run that trains ``model`` (a PEFT LoRA model or a full one) with ``args`` (a GRPOConfig).
 
@@ -371,6 +408,8 @@ def plan_for_model(
         sequence_tokens: the tokens a generated sequence takes at most (the longest prompt plus
             ``max_completion_length``); None: ``max_model_len``.
         asynchronous: generate the next batch while this one trains (needs ``serve_adapter``); None: sequentially.
+        bitwise_logprobs: the trainer's log-probabilities bit for bit the engine's (``trl.vllm_bitwise_logprobs``;
+            ``args.vllm_importance_sampling_correction`` as given).
 
     Raises:
         ValueError: for a model or settings the colocated engine cannot serve.
@@ -435,6 +474,7 @@ def plan_for_model(
         checkpointing=bool(args.gradient_checkpointing),
         smaller_micro_batches=False,
         asynchronous=asynchronous,
+        bitwise=bitwise_logprobs,
     )
 
 
@@ -454,6 +494,7 @@ def _derive(
     checkpointing: bool | None,
     smaller_micro_batches: bool,
     asynchronous: AsyncMode | None = None,
+    bitwise: bool = False,
 ) -> RunPlan:
     """The plan both constructors end in: every derived setting, from explicit inputs.
 
@@ -479,7 +520,9 @@ def _derive(
         # Each rank samples its own completions: with one seed, groups split over ranks would repeat.
         seed=args.seed + args.process_index,
         total=memory.total if memory else None,
+        batch_invariant=bitwise,
     )
+    bitwise_mode = BitwiseMode(bool(args.vllm_importance_sampling_correction)) if bitwise else None
     sequence_tokens = spec.sequence_tokens
     requested = TrainingPlan(
         micro_batch_size=args.per_device_train_batch_size,
@@ -499,6 +542,7 @@ def _derive(
             training=requested,
             memory=None,
             asynchronous=asynchronous,
+            bitwise=bitwise_mode,
         )
     if lora is not None:  # the base is the engine's copy: the trainer adds only its adapter
         trainer_weights, states = training_bytes(lora.parameters, LORA_ITEMSIZE)
@@ -545,6 +589,7 @@ def _derive(
         training=training,
         memory=memory_plan(training),
         asynchronous=asynchronous,
+        bitwise=bitwise_mode,
     )
 
 
@@ -647,6 +692,7 @@ def _size_engine(
     trust_remote_code: bool,
     seed: int,
     total: int | None,
+    batch_invariant: bool = False,
 ) -> tuple[EngineSpec, int | None, int | None]:
     """The engine's spec, the KV cache its batch needs and its weights' bytes (None: unknown).
 
@@ -675,6 +721,7 @@ def _size_engine(
         memory_fraction=fraction,
         kv_cache_bytes=engine_kv,
         seed=seed,
+        batch_invariant=batch_invariant,
     )
     return spec, kv, weights
 

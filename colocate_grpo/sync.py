@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from peft.tuners.lora import LoraLayer
 from colocate_grpo.engine import Engine, ParameterView, Weights, parameter_views
 from colocate_grpo.lora import (
     FactorsKey,
+    MergeGroup,
     MergeRecords,
     Overwritten,
     RetainedUpdate,
@@ -87,11 +89,16 @@ class _Source:
     def merge_into_base(self, merged: MergedInPlace, stats: RetainedUpdate | None) -> None:
         """Merge the layer's active LoRA into the parameter in place (the engine's too), recorded in ``merged``.
         Under ``torch.no_grad()``, as :func:`merge_into_shared_base` calls it (a decorator costs each layer)."""
-        factors = lora_factors(self.layer)
-        dtype = getattr(self.layer, "merge_dtype", None)
         if stats is not None:  # before the merge overwrites the base that the statistics compare with
-            _account(stats, self.param, factors, merged_weight(self.param, *factors, dtype))
-        merged.merge(self.param, *factors, dtype)
+            self.account(stats)
+        merged.merge(self.param, *lora_factors(self.layer), getattr(self.layer, "merge_dtype", None))
+
+    def account(self, stats: RetainedUpdate) -> None:
+        """Add the retained update of the layer's merge (not done yet) to ``stats``."""
+        factors = lora_factors(self.layer)
+        _account(
+            stats, self.param, factors, merged_weight(self.param, *factors, getattr(self.layer, "merge_dtype", None))
+        )
 
 
 def _account(
@@ -196,6 +203,13 @@ class _InPlaceWrites:
         self.layers = [s.layer for s in sources if s.layer is not None]
         self.cuda = next(iter(views.values())).rows.is_cuda
         self.capture: _Capture | None = None
+        self._shared_merge: _SharedMerge | None = None
+
+    def shared_merge(self) -> _SharedMerge:
+        """What :func:`merge_into_shared_base` writes, kept while it holds (:class:`_SharedMerge`)."""
+        if self._shared_merge is None or not self._shared_merge.holds():
+            self._shared_merge = _SharedMerge.of(self)
+        return self._shared_merge
 
     def merges_into_the_base(self) -> bool:
         """Whether the LoRA layers' base weights are the engine's parameters they would be merged into (shared).
@@ -243,6 +257,49 @@ class _InPlaceWrites:
         reads = self._reads()
         # Only a completed capture is ever replayed.
         self.capture = _Capture(graph, include_frozen, adapters, reads, list(map(torch.Tensor.data_ptr, reads)))
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@dataclass
+class _SharedMerge:
+    """A merge into a shared base, worked out for one trainer model and one engine: the tensors the engine holds
+    apart (copied), the LoRA layers merged in place, and their group (one launch for all of them, on CUDA; None
+    where it cannot merge them). Working it out reads every layer's adapter state, about as long as the device's
+    merge at 1.5B: kept while the parameters, the engine's views of them and the adapters are those it was worked
+    out from (:meth:`holds`, read in C: :class:`~colocate_grpo.lora.FactorsKey`)."""
+
+    copied: list[_Source]
+    merging: list[_Source]
+    group: MergeGroup | None
+    adapters: FactorsKey
+    params: list[torch.Tensor]  # every source's parameter, and the engine's rows of the ones sent
+    requires_grad: list[bool]
+    addresses: list[int]
+
+    @classmethod
+    def of(cls, writes: _InPlaceWrites) -> _SharedMerge:
+        adapters = FactorsKey(writes.layers)
+        active = {id(layer) for layer in adapters.active_layers}
+        sources = list(_to_send(writes.sources, include_frozen=False))
+        shared = {s.name: writes.views[s.name].rows.data_ptr() == s.param.data_ptr() for s in sources}
+        copied = [s for s in sources if not shared[s.name]]
+        merging = [s for s in sources if shared[s.name] and id(s.layer) in active]
+        dtypes = [getattr(s.layer, "merge_dtype", None) for s in merging]
+        group = MergeGroup.of([s.param for s in merging], [lora_factors(s.layer) for s in merging], dtypes)
+        params = [s.param for s in writes.sources] + [writes.views[s.name].rows for s in sources]
+        requires_grad = list(map(_REQUIRES_GRAD, params[: len(writes.sources)]))
+        return cls(copied, merging, group, adapters, params, requires_grad, list(map(torch.Tensor.data_ptr, params)))
+
+    def holds(self) -> bool:
+        """Whether the parameters, their addresses, which of them train and the adapters are still the same."""
+        sources = len(self.requires_grad)
+        return (
+            list(map(torch.Tensor.data_ptr, self.params)) == self.addresses
+            and list(map(_REQUIRES_GRAD, self.params[:sources])) == self.requires_grad
+            and not self.adapters.changed()
+        )
 
 
 # Per engine model (vLLM's nn.Module), per trainer model, merged or not (None: not writable in place):
@@ -294,6 +351,24 @@ def push_weights(
         writes(include_frozen, stats)
 
 
+@dataclass
+class _GroupMerged:
+    """A :class:`~colocate_grpo.lora.MergeGroup`'s merge in place: its records' memory, their outlier counts once
+    settled, and the records carved from it (by layer index) once asked for."""
+
+    group: MergeGroup
+    memory: MergeRecords
+    appended: list[int] | None = None
+    carved: dict[int, Overwritten] = dataclasses.field(default_factory=dict)
+
+    def record(self, i: int) -> Overwritten:
+        if i not in self.carved:
+            record = self.memory.record(i)
+            record.appended = None if self.appended is None else self.appended[i]
+            self.carved[i] = record
+        return self.carved[i]
+
+
 class MergedInPlace:
     """The base weights a sync merged into in place (shared with the engine), and how to restore them bitwise.
 
@@ -301,35 +376,47 @@ class MergedInPlace:
     :meth:`restore`; the trainer must not compute in between (``ColocatedGeneration`` restores
     after every generation, and after a sync that fails part way).
 
-    On CUDA each merge is one kernel that writes the merged weight and its record (:func:`lora.merge_in_place`)
-    into memory allocated for all the merge's weights at once (:meth:`reserve`), and each restore one kernel;
-    nothing waits on the host until :meth:`settle`, once for all the merges, checks that none ran out of room
-    for its outliers (and redoes those that did with a copy). Elsewhere each merge is computed, then written
-    over the base (:func:`lora.overwrite`).
+    On CUDA a sync merges every layer by one kernel launch that writes the merged weights and their records
+    (:meth:`merge_group`), into memory allocated for all of them at once, and restores them by one; a merge
+    of one layer (:meth:`merge`) is a kernel of its own (:func:`lora.merge_in_place`). Nothing waits on the host
+    until :meth:`settle`, once for all the merges, checks that none ran out of room for its outliers (and redoes
+    those that did with a copy). Elsewhere each merge is computed, then written over the base
+    (:func:`lora.overwrite`).
 
     An interrupt (Ctrl-C) anywhere leaves records that :meth:`restore` makes exact, whether or not it was
-    itself interrupted before: a kernel's record is kept before its launch, and says on the device whether its
-    merge ran, which a kernel once launched does whole; a restore's kernel undoes only a merge that ran and is
-    not undone, and marks it undone when its last program finishes. A record that a copy replaces is kept
-    until the copy holds the old bits. PyTorch's records put the outliers' old bits back first (their steps
-    are 0, so this is idempotent), then add the steps, then mark themselves restored.
+    itself interrupted before: a kernel's records are kept before its launch, and say on the device whether
+    their merge ran, which a kernel once launched does whole; a restore's kernel undoes only merges that ran and
+    are not undone, and marks each undone when the last of its programs finishes. A record that a copy replaces is
+    kept until the copy holds the old bits, and a group's restore runs before the copies'. PyTorch's records put
+    the outliers' old bits back first (their steps are 0, so this is idempotent), then add the steps, then mark
+    themselves restored.
 
     Args:
         in_host_memory: keep the records' steps (a byte per merged weight) in host memory, where the
             device cannot hold them beside the engine (the memory plan decides). Each merge then copies
             them to the host and each restore back, a weight at a time, into buffers allocated once
-            (:meth:`reserve`) and reused.
+            (:meth:`reserve`) and reused; a group merges a layer at a time.
     """
 
     def __init__(self, in_host_memory: bool = False) -> None:
         self.in_host_memory = in_host_memory
-        self.records: dict[int, Overwritten] = {}  # by the base weight's address, in the order merged
+        self._records: dict[int, Overwritten] = {}  # by the base weight's address, in the order merged
+        self._group: _GroupMerged | None = None  # the group merged by one launch, until restored
         self._host_steps: dict[int, torch.Tensor] = {}  # by the base weight's address: views of one host buffer
         self._memory: MergeRecords | None = None  # the kernels' record memory of this merge, until restored
         self._unsettled: list[tuple[Overwritten, torch.Tensor, torch.Tensor, float]] = []  # kernels' merges, factors
 
     def __bool__(self) -> bool:
-        return bool(self.records)
+        return bool(self._records) or self._group is not None
+
+    @property
+    def records(self) -> dict[int, Overwritten]:
+        """Every merged base weight's record, by its address (a group's carved from its memory on the way)."""
+        records = dict(self._records)
+        if self._group is not None:
+            for i, target in enumerate(self._group.group.layout.targets):
+                records.setdefault(target.data_ptr(), self._group.record(i))
+        return records
 
     def reserve(self, bases: list[torch.Tensor]) -> None:
         """Allocate the records' memory for a merge into ``bases``, once before it: on CUDA the kernels' (freed by
@@ -355,7 +442,7 @@ class MergedInPlace:
         """Write ``merged`` into ``base`` in place, remembering how to undo it."""
         self._check_unmerged(base)
         self._reserve_host([base])
-        self.records[base.data_ptr()] = overwrite(base, merged, self._host_steps.get(base.data_ptr()))
+        self._records[base.data_ptr()] = overwrite(base, merged, self._host_steps.get(base.data_ptr()))
 
     def merge(
         self,
@@ -379,21 +466,50 @@ class MergedInPlace:
         if record is None:
             record = MergeRecords([base], staging=self.in_host_memory).blank(base)
         # Kept before its kernel runs: until then the record changes nothing, after it undoes the merge.
-        self.records[base.data_ptr()] = record
+        self._records[base.data_ptr()] = record
         merge_in_place(record, lora_A, lora_B, scaling, self._host_steps.get(base.data_ptr()))
         self._unsettled.append((record, lora_A, lora_B, scaling))
 
+    def merge_group(self, group: MergeGroup) -> None:
+        """Merge every layer of ``group`` into its base weight in place, as :meth:`merge` does each, by one kernel
+        launch (with ``in_host_memory``, a launch a layer); nothing waits on the device (:meth:`settle` does)."""
+        if self.in_host_memory:  # the steps cross to the host a layer at a time, through one staging buffer
+            self.reserve(group.layout.targets)
+            for base, (lora_A, lora_B, scaling) in zip(group.layout.targets, group.factors, strict=True):
+                self.merge(base, lora_A, lora_B, scaling)
+            return
+        if self._group is not None or (
+            self._records and any(address in self._records for address in group.layout.index)
+        ):
+            raise RuntimeError("these base weights are merged already: restore() them before merging again")
+        merged = _GroupMerged(group, MergeRecords(group.layout))
+        self._group = merged  # kept before the launch: until it runs, its records change nothing
+        group.merge(merged.memory)
+
     def _check_unmerged(self, base: torch.Tensor) -> None:
-        if base.data_ptr() in self.records:
+        grouped = self._group is not None and base.data_ptr() in self._group.group.layout.index
+        if grouped or base.data_ptr() in self._records:
             raise RuntimeError("this base weight is merged already: restore() it before merging again")
 
     def settle(self) -> None:
         """Wait for the kernels' merges (the merge's one wait on the device) and redo, with a copy of its old bits
         as the record, each merge whose outliers ran out of room (it left some values unmerged). Before the engine
         serves the merge; a no-op where every merge is settled."""
-        if not self._unsettled:
+        group = self._group if self._group is not None and self._group.appended is None else None
+        if not self._unsettled and group is None:
             return
-        appended = torch.stack([record.state[0] for record, *_ in self._unsettled]).tolist()
+        counts = [group.memory.states[:, 0]] if group is not None else []
+        if self._unsettled:
+            counts.append(torch.stack([record.state[0] for record, *_ in self._unsettled]))
+        appended = (torch.cat(counts) if len(counts) > 1 else counts[0]).tolist()
+        if group is not None:
+            layers = len(group.group.layout.targets)
+            group.appended, appended = appended[:layers], appended[layers:]
+            for i, record in group.carved.items():
+                record.appended = group.appended[i]
+            for i, (count, capacity) in enumerate(zip(group.appended, group.group.layout.capacities, strict=True)):
+                if count > capacity:
+                    self._redo_with_copy(group.record(i), *group.group.factors[i])
         for (record, lora_A, lora_B, scaling), count in zip(self._unsettled, appended, strict=True):
             record.appended = count
             if count > record.outliers.numel():
@@ -402,35 +518,45 @@ class MergedInPlace:
 
     def _redo_with_copy(self, record: Overwritten, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> None:
         """Replace a kernel's record whose merge left outliers unmerged with a copy of the old bits, and finish
-        the merge from them. The record kept at each moment restores the base: the kernel's until the copy's."""
-        from colocate_grpo.kernels import fused_merged_weight
+        the merge from them. The record kept at each moment restores the base: the kernel's until the copy's, which
+        :meth:`restore` applies after a group's (the kernel's record, marked undone once the copy's is kept, is passed
+        by; marked or not, the copy is the last word)."""
+        from colocate_grpo.kernels import MERGED_WORD, fused_merged_weight
 
         base = record.target
         old = record.original()
-        self.records[base.data_ptr()] = kept_whole(base, old, record.appended)
+        self._records[base.data_ptr()] = kept_whole(base, old, record.appended)
+        record.state[MERGED_WORD].zero_()
         fused_merged_weight(old, lora_A, lora_B, scaling, base.dtype, out=base)
 
     def original(self, base: torch.Tensor) -> torch.Tensor:
         """``base``'s values before its merge (``base`` itself where it was not merged)."""
-        record = self.records.get(base.data_ptr())
+        record = self._records.get(base.data_ptr())
+        if record is None and self._group is not None:
+            i = self._group.group.layout.index.get(base.data_ptr())
+            record = None if i is None else self._group.record(i)
         return base if record is None else record.original()
 
     @property
     def outlier_fraction(self) -> float:
         """Share of the merged values whose change needed more than a byte to record."""
-        total = sum(record.target.numel() for record in self.records.values())
-        return sum(record.outlier_count for record in self.records.values()) / total if total else 0.0
+        records = self.records.values()
+        total = sum(record.target.numel() for record in records)
+        return sum(record.outlier_count for record in records) / total if total else 0.0
 
     def restore(self) -> None:
         """Put every merged base weight back, bitwise, and forget the records and their memory. After an
         interrupt part way, calling it again restores the rest.
 
-        The last merged goes back first: where an interrupt stopped the merges, its steps may still be in the
-        staging buffer of steps kept in host memory (:func:`lora.merge_in_place`), which the others' restores
-        overwrite."""
-        for key, record in reversed(list(self.records.items())):
+        A group goes back first, by one launch; then the records of their own, the last merged first: where an
+        interrupt stopped the merges, its steps may still be in the staging buffer of steps kept in host memory
+        (:func:`lora.merge_in_place`), which the others' restores overwrite."""
+        if self._group is not None:
+            self._group.group.restore(self._group.memory)
+            self._group = None
+        for key, record in reversed(list(self._records.items())):
             record.restore()
-            del self.records[key]
+            del self._records[key]
         self._unsettled.clear()
         self._memory = None
 
@@ -482,17 +608,21 @@ def merge_into_shared_base(
     writes = _in_place_writes(model, engine, merge=True)
     if writes is None:
         raise RuntimeError("the engine's parameters do not map onto the trainer's tensors: nothing can be shared")
-    sources = list(_to_send(writes.sources, include_frozen=False))
     # A tensor the engine holds apart is copied into it; a shared one with LoRA factors is merged in place.
-    shared = {s.name: writes.views[s.name].rows.data_ptr() == s.param.data_ptr() for s in sources}
-    copied = [s for s in sources if not shared[s.name]]
-    merging = [s for s in sources if shared[s.name] and s.layer is not None and lora_factors(s.layer) is not None]
-    merged.reserve([source.param for source in merging])
+    plan = writes.shared_merge()
+    if plan.group is None:
+        merged.reserve([source.param for source in plan.merging])
     with engine.writing_weights():
-        for source in copied:
+        for source in plan.copied:
             source.value(stats, out=writes.views[source.name].rows)
-        for source in merging:
-            source.merge_into_base(merged, stats)
+        if plan.group is None:
+            for source in plan.merging:
+                source.merge_into_base(merged, stats)
+        else:
+            if stats is not None:  # before the merge overwrites the bases that the statistics compare with
+                for source in plan.merging:
+                    source.account(stats)
+            merged.merge_group(plan.group)
         if settle:
             merged.settle()
 

@@ -34,7 +34,7 @@ from colocate_grpo.output_dir import check_output_dir
 from colocate_grpo.plan import RunPlan, TrainingPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
-from colocate_grpo.validation import precision_problems
+from colocate_grpo.validation import bitwise_problems, precision_problems
 
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
     from colocate_grpo.trainer import ColocateGRPOTrainer
@@ -183,6 +183,7 @@ def check_inputs(config: Config) -> RunInputs:
         longest_prompt = models.check_prompt_lengths(dataset, tokenizer, config.max_prompt_length)
     dtype = models.training_dtype(device)
     problems.found.extend(precision_problems(config, dtype))
+    problems.found.extend(bitwise_problems(config, device, path, bool(config.trl.get("trust_remote_code"))))
     with problems.catch():
         args = grpo_args(config, device, dtype)
     problems.raise_if_any()
@@ -240,6 +241,10 @@ def build_trainer(
     plan = inputs.plan
     refuse_unservable_run(plan.engine)
     with device_memory_errors("load the model and start the engine", plan.memory, config, plan.training):
+        if plan.bitwise is not None:  # vLLM's batch-invariant mode before this process's first CUDA matmul
+            from colocate_grpo.bitwise import prepare_process
+
+            prepare_process()
         model = models.load_model(config, plan, inputs.path)
         from colocate_grpo.trainer import ColocateGRPOTrainer  # imports vLLM: only once the input is known good
 

@@ -34,7 +34,7 @@ from colocate_grpo.engine import Engine, Weights, shared_engine
 from colocate_grpo.head import add_fp32_head
 from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.memory_plan import device_memory_errors
-from colocate_grpo.metrics import PhaseClock, PhaseMetrics
+from colocate_grpo.metrics import LogpAgreement, PhaseClock, PhaseMetrics
 from colocate_grpo.on_policy import OnPolicyScoring, scores_in_training_forward
 from colocate_grpo.plan import RunPlan, plan_for_model
 from colocate_grpo.quantized import served_code_mismatches
@@ -332,6 +332,10 @@ class ColocateGRPOTrainer(GRPOTrainer):
         # TRL's cast makes the head an fp32 copy (with PEFT it fails on tied heads); its fused head alone, added
         # below, computes in fp32 from the weights as they are.
         fp32_head, args.cast_lm_head_to_fp32 = args.cast_lm_head_to_fp32, False
+        if plan.bitwise is not None:  # vLLM's batch-invariant mode, before the engine starts (colocate_grpo.bitwise)
+            from colocate_grpo import bitwise
+
+            bitwise.prepare_process()
 
         def build_engine() -> Engine:
             return engine if engine is not None and not engine.closed else shared_engine(plan.engine)
@@ -371,6 +375,18 @@ class ColocateGRPOTrainer(GRPOTrainer):
             )
             if self.ref_model is not None:
                 add_fp32_head(self.ref_model, temperature=self.temperature)
+        if plan.bitwise is not None:  # TRL's scoring forward, computed with the engine's kernels
+            bitwise.install(
+                self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
+                self.engine.llm,
+                self.temperature,
+            )
+        self.logp_agreement = LogpAgreement(
+            self._record_metrics,
+            bitwise=plan.bitwise is not None,
+            log_differences=not self.vllm_importance_sampling_correction,
+        )
+        self._sampled: tuple | None = None
         if not shared_base_bytes:  # a reused engine may have been pinned for a trainer that shared its weights
             self.engine.unpin_weights()
         self.vllm_generation.merge_check = MergeCheck(
@@ -487,7 +503,12 @@ class ColocateGRPOTrainer(GRPOTrainer):
 
         TRL logs its other metrics gathered over the ranks already; these are each rank's own.
         """
-        reductions = {"memory/": max, "served_equals_trained": min, "served_codes_equal_trained": min}
+        reductions = {
+            "memory/": max,
+            "served_equals_trained": min,
+            "served_codes_equal_trained": min,
+            "logp_equal_fraction": min,
+        }
         local = {
             key: sum(values) / len(values)
             for key, values in metrics.items()
@@ -497,6 +518,30 @@ class ColocateGRPOTrainer(GRPOTrainer):
         for key in {key for rank in ranks for key in rank}:
             reduce = next(r for part, r in reductions.items() if part in key)
             metrics[key] = [reduce(rank[key] for rank in ranks if key in rank)]
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # The loss's forward is checked against the engine's log-probabilities (LogpAgreement) where this
+        # micro-batch is scored with the weights that sampled it: before the first optimizer step since its generation.
+        since_generation = self._step % (self.args.steps_per_generation * self.num_iterations)
+        sampled = inputs.get("sampling_per_token_logps")
+        if (
+            sampled is not None
+            and self.plan.asynchronous is None
+            and since_generation < self.args.gradient_accumulation_steps
+        ):
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            self._sampled = (sampled, mask)
+        try:
+            return super().compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            self._sampled = None
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._sampled is not None:  # the loss's forward (compute_loss); once
+            self.logp_agreement.check(out[0], *self._sampled, step=self.state.global_step)
+            self._sampled = None
+        return out
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         # A failing reward named with its sample; None/NaN scores counted (colocate_grpo.rewards).

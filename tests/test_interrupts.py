@@ -42,10 +42,11 @@ def interrupt_generation(trainer, monkeypatch):
 
 def interrupt_sync(trainer, monkeypatch):
     """Ctrl-C part way through the second sync, on whichever path it takes: before the fourth tensor goes in place
-    or through vLLM's loader; merged into a shared base, just after the fourth merge starts (on a GPU, its kernel
-    launched and nothing waited for)."""
+    or through vLLM's loader; merged into a shared base, just after the fourth merge starts, or on a GPU just after
+    the launch that merges every layer (nothing waited for)."""
     generation, tensors_sent = trainer.vllm_generation, []
     value, merge_into_base = sync._Source.value, sync._Source.merge_into_base
+    merge_group = sync.MergedInPlace.merge_group
     sync_weights = generation.sync_weights
 
     def counting_sync():
@@ -69,9 +70,15 @@ def interrupt_sync(trainer, monkeypatch):
         if fourth:
             raise KeyboardInterrupt
 
+    def failing_merge_group(merged, group):
+        merge_group(merged, group)
+        if len(tensors_sent) == 2:
+            raise KeyboardInterrupt
+
     monkeypatch.setattr(generation, "sync_weights", counting_sync)
     monkeypatch.setattr(sync._Source, "value", failing_value)
     monkeypatch.setattr(sync._Source, "merge_into_base", failing_merge)
+    monkeypatch.setattr(sync.MergedInPlace, "merge_group", failing_merge_group)
 
 
 @pytest.mark.parametrize("phase", ["generate", "sync", "train"])
