@@ -39,6 +39,7 @@ from colocate_grpo.memory_plan import (
     training_bytes,
     weight_bytes,
 )
+from colocate_grpo.on_policy import scores_in_training_forward
 from colocate_grpo.serving import AsyncMode, Serving
 
 # The engine's batch (max_num_seqs) is TRL's generation batch and at least this. vLLM 0.26 crashed in its warm-up
@@ -134,6 +135,8 @@ class TrainingPlan:
         gradient_accumulation_steps, steps_per_generation: TRL's; their product with the micro-batch is
             the generation batch and the optimizer step, which the plan never changes.
         gradient_checkpointing: recompute activations in the backward pass.
+        one_forward: TRL's importance-sampling ratio from each micro-batch's training forward, without its
+            scoring pass (:mod:`colocate_grpo.on_policy`): where generation is on the policy that trains.
         changed: what the plan changed of what the run asked for, and why (None: nothing).
     """
 
@@ -141,13 +144,15 @@ class TrainingPlan:
     gradient_accumulation_steps: int
     steps_per_generation: int
     gradient_checkpointing: bool
+    one_forward: bool = False
     changed: str | None = field(default=None, compare=False)
 
     def describe(self) -> str:
-        """One line: the micro-batches and checkpointing, and what the plan changed."""
+        """One line: the micro-batches, checkpointing and the old log-probabilities, and what the plan changed."""
         line = (
             f"Training: micro-batches of {self.micro_batch_size}, {self.gradient_accumulation_steps} per "
-            f"optimizer step, gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}."
+            f"optimizer step, gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
+            f"old log-probabilities from {'each training forward' if self.one_forward else 'a scoring pass'}."
         )
         return line if self.changed is None else f"{line} {self.changed}"
 
@@ -537,6 +542,7 @@ def _derive(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         steps_per_generation=args.steps_per_generation,
         gradient_checkpointing=True if checkpointing is None else checkpointing,
+        one_forward=scores_in_training_forward(args),
     )
     if device != "cuda" or memory is None or shape is None or engine_weights is None:
         return RunPlan(
@@ -634,7 +640,8 @@ def _fitting_training(
         candidates += [(True, size) for size in sizes]
     for checkpoint, size in candidates:
         factor = requested.micro_batch_size // size
-        training = TrainingPlan(
+        training = dataclasses.replace(
+            requested,
             micro_batch_size=size,
             gradient_accumulation_steps=requested.gradient_accumulation_steps * factor,
             steps_per_generation=requested.steps_per_generation * factor,

@@ -35,6 +35,7 @@ from colocate_grpo.head import add_fp32_head
 from colocate_grpo.lora import RetainedUpdate
 from colocate_grpo.memory_plan import device_memory_errors
 from colocate_grpo.metrics import LogpAgreement, PhaseClock, PhaseMetrics
+from colocate_grpo.on_policy import OnPolicyScoring, scores_in_training_forward
 from colocate_grpo.plan import RunPlan, plan_for_model
 from colocate_grpo.quantized import served_code_mismatches
 from colocate_grpo.rewards import calculate_rewards
@@ -320,6 +321,14 @@ class ColocateGRPOTrainer(GRPOTrainer):
                 "Pass either a plan or vllm_options, serve_adapter and sequence_tokens: the plan has them."
             )
         self.plan = plan
+        if plan.training.one_forward and not scores_in_training_forward(args):
+            raise ValueError(
+                "The plan's one_forward needs generation on the training policy (num_iterations 1, "
+                "steps_per_generation a divisor of gradient_accumulation_steps, TRL's vLLM importance-sampling "
+                "correction on): plan again from these arguments."
+            )
+        # TRL's scoring pass, or the importance-sampling ratio from each training forward (colocate_grpo.on_policy).
+        self.on_policy = OnPolicyScoring(plan.training.one_forward)
         # TRL's cast makes the head an fp32 copy (with PEFT it fails on tied heads); its fused head alone, added
         # below, computes in fp32 from the weights as they are.
         fp32_head, args.cast_lm_head_to_fp32 = args.cast_lm_head_to_fp32, False
@@ -412,6 +421,14 @@ class ColocateGRPOTrainer(GRPOTrainer):
             self._buffered_inputs = group_by_length(self._buffered_inputs, window)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
+
+    def _generate_and_score_completions(self, inputs: Any) -> Any:
+        with self.on_policy.generating(self):
+            return super()._generate_and_score_completions(inputs)
+
+    def _compute_loss(self, model: Any, inputs: Any) -> Any:
+        with self.on_policy.training_forward(self, inputs):
+            return super()._compute_loss(model, inputs)
 
     def _logps_without_padding(
         self,

@@ -183,9 +183,9 @@ def test_a_micro_batch_that_does_not_fit_is_split_and_the_generation_batch_stays
 
 def test_gradient_checkpointing_is_off_where_training_fits_without_it():
     _, roomy = _plan_on_card({}, 80, size="1.5B")
-    assert roomy.training == TrainingPlan(64, 1, 1, gradient_checkpointing=False)
+    assert roomy.training == TrainingPlan(64, 1, 1, gradient_checkpointing=False, one_forward=True)
     _, asked = _plan_on_card({"gradient_checkpointing": True}, 80, size="1.5B")
-    assert asked.training == TrainingPlan(64, 1, 1, gradient_checkpointing=True)
+    assert asked.training == TrainingPlan(64, 1, 1, gradient_checkpointing=True, one_forward=True)
     # At 7B a busy micro-batch without checkpointing fits an 80 GiB card; a 24 GiB one needs checkpointing.
     _, split = _plan_on_card({}, 80)
     assert not split.training.gradient_checkpointing and split.memory.fits
@@ -206,7 +206,7 @@ def test_a_run_whose_generation_does_not_fit_is_refused_at_the_batch_it_asked_fo
 
 def test_on_a_cpu_the_plan_takes_the_batch_as_written_with_checkpointing_on_for_auto():
     plan = check_inputs(load_config({**TINY, "micro_batch_size": 16})).plan
-    assert plan.training == TrainingPlan(16, 1, 1, gradient_checkpointing=True)
+    assert plan.training == TrainingPlan(16, 1, 1, gradient_checkpointing=True, one_forward=True)
 
 
 def test_long_completions_get_a_kv_cache_for_part_of_the_batch_where_the_whole_does_not_fit():
