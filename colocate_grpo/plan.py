@@ -544,7 +544,8 @@ def _derive(
         gradient_checkpointing=True if checkpointing is None else checkpointing,
         one_forward=scores_in_training_forward(args),
     )
-    if device != "cuda" or memory is None or shape is None or engine_weights is None:
+
+    def run_plan(training: TrainingPlan, needs: MemoryPlan | None) -> RunPlan:
         return RunPlan(
             device=device,
             dtype=dtype,
@@ -552,11 +553,14 @@ def _derive(
             shared_base=serving.lora,
             merge_aware=merge_aware,
             engine=spec,
-            training=requested,
-            memory=None,
+            training=training,
+            memory=needs,
             asynchronous=asynchronous,
             bitwise=bitwise_mode,
         )
+
+    if device != "cuda" or memory is None or shape is None or engine_weights is None:
+        return run_plan(requested, None)
     if lora is not None:  # the base is the engine's copy: the trainer adds only its adapter
         trainer_weights, states = training_bytes(lora.parameters, LORA_ITEMSIZE)
     else:
@@ -600,18 +604,7 @@ def _derive(
     if checkpointing is None or smaller_micro_batches:
         values = (sequence_tokens or 0) * shape.hidden_size  # a sequence's hidden states
         training = _fitting_training(requested, memory_plan, checkpointing, smaller_micro_batches, values)
-    return RunPlan(
-        device=device,
-        dtype=dtype,
-        serving=serving,
-        shared_base=serving.lora,
-        merge_aware=merge_aware,
-        engine=spec,
-        training=training,
-        memory=memory_plan(training),
-        asynchronous=asynchronous,
-        bitwise=bitwise_mode,
-    )
+    return run_plan(training, memory_plan(training))
 
 
 def _fitting_training(

@@ -210,19 +210,7 @@ def test_on_a_cpu_the_plan_takes_the_batch_as_written_with_checkpointing_on_for_
 
 
 def test_long_completions_get_a_kv_cache_for_part_of_the_batch_where_the_whole_does_not_fit():
-    config = load_config({"micro_batch_size": 64, "trl": {"max_completion_length": 16384}})
-    args = grpo_args(config, "cpu", torch.bfloat16)
-    memory = DeviceMemory(24 * GIB, 24 * GIB, host_free=64 * GIB)
-    plan = plan_run(
-        config,
-        args,
-        model_path="-",
-        device="cuda",
-        dtype=torch.bfloat16,
-        shape=_qwen_shape("1.5B"),
-        longest_prompt=32,
-        memory=memory,
-    )
+    _, plan = _plan_on_card({"trl": {"max_completion_length": 16384}}, 24, size="1.5B")
     engine = plan.engine
     assert plan.memory.fits and plan.engine.max_num_seqs == 64
     assert 1 <= engine.full_length_sequences < 64 and "vLLM queues the rest" in plan.summary()
