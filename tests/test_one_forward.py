@@ -7,12 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+from lora_training import ACCUMULATION, lora_gradients, randomize_lora, relative_error, tiny_config
 
-from colocate_grpo.config import load_config
 from colocate_grpo.on_policy import SamplingStats, importance_sampling_ratio, scores_in_training_forward
-from colocate_grpo.train import build_trainer, check_inputs, default_config_path
+from colocate_grpo.train import build_trainer, check_inputs
 
-MICRO_BATCH, ACCUMULATION = 8, 4
 SAMPLING_KEYS = (
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
@@ -20,38 +19,6 @@ SAMPLING_KEYS = (
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
 )
-
-
-def tiny_config(tmp_path, trl=None, **overrides):
-    raw = load_config(default_config_path()).to_dict()
-    raw.update(
-        {
-            "output_dir": str(tmp_path / "run"),
-            "max_steps": 1,
-            "micro_batch_size": MICRO_BATCH,
-            "gradient_accumulation_steps": ACCUMULATION,
-            "logging_steps": 1,
-            **overrides,
-        }
-    )
-    raw["trl"].update(trl or {})
-    return load_config(raw)
-
-
-def lora_gradients(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
-
-
-def randomize_lora(model):
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-
-
-def relative_error(ours, reference):
-    return max(((ours[n].float() - g.float()).norm() / g.float().norm()).item() for n, g in reference.items())
 
 
 def count_forwards(model):

@@ -4,28 +4,16 @@ against TRL's padding (colocate_grpo.batching), and the options' checks."""
 import pytest
 import torch
 import trl.trainer.utils as trl_utils
+from lora_training import ACCUMULATION, MICRO_BATCH, lora_gradients, randomize_lora, relative_error, tiny_config
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from colocate_grpo.batching import group_by_length, lengths, trimmed
 from colocate_grpo.config import ConfigError, load_config
-from colocate_grpo.train import build_trainer, default_config_path
-
-MICRO_BATCH, ACCUMULATION = 8, 4
+from colocate_grpo.train import build_trainer
 
 
 def tiny_trainer(tmp_path, trl=None, **overrides):
-    raw = load_config(default_config_path()).to_dict()
-    raw.update(
-        {
-            "output_dir": str(tmp_path / "run"),
-            "max_steps": 1,
-            "micro_batch_size": MICRO_BATCH,
-            "gradient_accumulation_steps": ACCUMULATION,
-            **overrides,
-        }
-    )
-    raw["trl"].update(trl or {})
-    return build_trainer(load_config(raw))
+    return build_trainer(tiny_config(tmp_path, trl, **overrides))
 
 
 def generation_batch(trainer):
@@ -46,23 +34,6 @@ def with_varied_lengths(batch):
     batch["completion_ids"] = batch["completion_ids"].masked_fill(tail, 0)
     batch["num_items_in_batch"] = batch["completion_mask"].sum()
     return batch
-
-
-def lora_gradients(model):
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
-
-
-def randomize_lora(model):
-    """B = 0 (a fresh adapter) gives A no gradient; small random factors give both one."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
-
-
-def relative_error(ours, reference):
-    return max(((ours[n].float() - g.float()).norm() / g.float().norm()).item() for n, g in reference.items())
 
 
 @pytest.mark.parametrize(
