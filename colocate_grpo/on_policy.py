@@ -12,7 +12,7 @@ scoring pass and any micro-batch's training forward: the optimizer steps after t
 training forward computes the same policy's log-probabilities, with gradients. So here the scoring pass is
 skipped (:meth:`OnPolicyScoring.generating` turns the correction off around TRL's generation, which keeps
 ``sampling_per_token_logps`` in its output) and each micro-batch's training forward gives, from its own
-log-probabilities detached (:meth:`OnPolicyScoring.training_forward`):
+log-probabilities detached (:meth:`OnPolicyScoring.score`, which the trainer calls with the loss's forward):
 
 - ``importance_sampling_ratio``: TRL's ratio, its modes, clipping, masking (``tool_mask`` too) and NaN handling
   as TRL's code has them (:func:`importance_sampling_ratio`);
@@ -169,32 +169,13 @@ class OnPolicyScoring:
         finally:
             trainer.vllm_importance_sampling_correction = True
 
-    @contextlib.contextmanager
-    def training_forward(self, trainer: Any, inputs: dict[str, Any]) -> Iterator[None]:
-        """Around TRL's ``_compute_loss`` of a micro-batch generated without its ratio: its forward's
-        log-probabilities, detached, give ``inputs["importance_sampling_ratio"]`` before the loss reads it, and
-        the generation batch's statistics; once its last micro-batch has trained, TRL's metrics get them."""
+    def score(self, trainer: Any, inputs: dict[str, Any], logps: torch.Tensor) -> None:
+        """With the log-probabilities of the loss's forward of a micro-batch generated without its ratio (``logps``,
+        detached): ``inputs["importance_sampling_ratio"]``, before the loss reads it, and the generation batch's
+        statistics; once its last micro-batch has trained, TRL's metrics get them."""
         skipped = "importance_sampling_ratio" not in inputs and "sampling_per_token_logps" in inputs
-        if not (self.enabled and skipped and trainer.vllm_importance_sampling_correction):
-            yield
-            return
-        # TRL's _compute_loss runs one forward, through this (instance) attribute: it gets the ratio set after it.
-        score = trainer._get_per_token_logps_and_entropies
-        shadowed = trainer.__dict__.get("_get_per_token_logps_and_entropies")
-
-        def scored(*args: Any, **kwargs: Any) -> tuple:
-            logps, entropies, aux_loss = score(*args, **kwargs)
-            self._correct(trainer, inputs, logps.detach())
-            return logps, entropies, aux_loss
-
-        trainer._get_per_token_logps_and_entropies = scored
-        try:
-            yield
-        finally:
-            if shadowed is None:
-                del trainer._get_per_token_logps_and_entropies
-            else:
-                trainer._get_per_token_logps_and_entropies = shadowed
+        if self.enabled and skipped and trainer.vllm_importance_sampling_correction:
+            self._correct(trainer, inputs, logps)
 
     def _correct(self, trainer: Any, inputs: dict[str, Any], logps: torch.Tensor) -> None:
         mask = inputs["completion_mask"]

@@ -386,7 +386,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
             bitwise=plan.bitwise is not None,
             log_differences=not self.vllm_importance_sampling_correction,
         )
-        self._sampled: tuple | None = None
+        self._loss_inputs: dict[str, Any] | None = None  # the micro-batch whose loss is being computed
         if not shared_base_bytes:  # a reused engine may have been pinned for a trainer that shared its weights
             self.engine.unpin_weights()
         self.vllm_generation.merge_check = MergeCheck(
@@ -425,10 +425,6 @@ class ColocateGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: Any) -> Any:
         with self.on_policy.generating(self):
             return super()._generate_and_score_completions(inputs)
-
-    def _compute_loss(self, model: Any, inputs: Any) -> Any:
-        with self.on_policy.training_forward(self, inputs):
-            return super()._compute_loss(model, inputs)
 
     def _logps_without_padding(
         self,
@@ -520,28 +516,35 @@ class ColocateGRPOTrainer(GRPOTrainer):
             metrics[key] = [reduce(rank[key] for rank in ranks if key in rank)]
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        # The loss's forward is checked against the engine's log-probabilities (LogpAgreement) where this
-        # micro-batch is scored with the weights that sampled it: before the first optimizer step since its generation.
-        since_generation = self._step % (self.args.steps_per_generation * self.num_iterations)
-        sampled = inputs.get("sampling_per_token_logps")
-        if (
-            sampled is not None
-            and self.plan.asynchronous is None
-            and since_generation < self.args.gradient_accumulation_steps
-        ):
-            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-            self._sampled = (sampled, mask)
+        # TRL's loss takes one forward of the micro-batch (_get_per_token_logps_and_entropies): its log-probabilities
+        # give the importance-sampling ratio where the scoring pass was skipped, and are checked against the engine's.
+        self._loss_inputs = inputs
         try:
             return super().compute_loss(model, inputs, *args, **kwargs)
         finally:
-            self._sampled = None
+            self._loss_inputs = None
 
     def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
         out = self._logps_without_padding(*args, **kwargs)
-        if self._sampled is not None:  # the loss's forward (compute_loss); once
-            self.logp_agreement.check(out[0], *self._sampled, step=self.state.global_step)
-            self._sampled = None
+        inputs, self._loss_inputs = self._loss_inputs, None  # the loss's forward; once
+        if inputs is not None:
+            self.on_policy.score(self, inputs, out[0].detach())
+            self._check_agreement(inputs, out[0])
         return out
+
+    def _check_agreement(self, inputs: dict[str, Any], logps: torch.Tensor) -> None:
+        """The loss forward's log-probabilities against the engine's (LogpAgreement), where the micro-batch is scored
+        with the weights that sampled it: before the first optimizer step since its generation."""
+        sampled = inputs.get("sampling_per_token_logps")
+        since_generation = self._step % (self.args.steps_per_generation * self.num_iterations)
+        if (
+            sampled is None
+            or self.plan.asynchronous is not None
+            or since_generation >= self.args.gradient_accumulation_steps
+        ):
+            return
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        self.logp_agreement.check(logps, sampled, mask, step=self.state.global_step)
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Any:
         # A failing reward named with its sample; None/NaN scores counted (colocate_grpo.rewards).
