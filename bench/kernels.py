@@ -431,13 +431,14 @@ def training_step(shape: str) -> list[dict[str, Any]]:
     """One GRPO micro-batch's forward and backward as TRL computes it (the fused head, merge-aware LoRA r=16 on all
     linears, AdamW), by micro-batch and gradient checkpointing: the step's device memory above the weights
     against the memory plan's estimate, its seconds and model FLOPs utilization."""
+    from kinds import ModelFlops, peak_bf16_flops
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2ForCausalLM
     from trl.trainer import add_fused_lm_head
     from workload import COMPLETION_TOKENS, PROMPT_TOKENS, shape_config
 
     from colocate_grpo import lora
-    from colocate_grpo.memory_plan import ModelShape, lora_parameters, training_activation_bytes, training_bytes
+    from colocate_grpo.memory_plan import LORA_ITEMSIZE, shape_of, training_activation_bytes
 
     torch.manual_seed(0)
     config = shape_config("1.5B") if shape == "tiny" else shape_config(shape)
@@ -454,20 +455,10 @@ def training_step(shape: str) -> list[dict[str, Any]]:
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=device() == "cuda")
     completion = 8 if shape == "tiny" else COMPLETION_TOKENS
     sequence = PROMPT_TOKENS + completion
-    layers = config.num_hidden_layers
-    non_embedding = sum(p.numel() for n, p in base.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
-    head = config.vocab_size * config.hidden_size
-    plan_shape = ModelShape(
-        parameters=0,
-        linear_shapes=[],
-        layers=layers,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-        kv_values_per_token=None,
-    )
-    _, states = training_bytes(lora_parameters(RANK, linear_shapes(shape) if shape != "tiny" else []), 4)
-    peak_flops = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+    plan_shape = shape_of(config)
+    lora_gradients = sum(p.numel() for p in trainable) * LORA_ITEMSIZE
+    flops = ModelFlops.of(model)
+    peak = peak_bf16_flops(torch.cuda.get_device_name()) if device() == "cuda" else None
 
     def step(micro_batch: int) -> None:
         ids = torch.randint(1, config.vocab_size, (micro_batch, sequence), device=device())
@@ -508,17 +499,15 @@ def training_step(shape: str) -> list[dict[str, Any]]:
                 print(f"out of memory: {row}", flush=True)
                 continue
             tokens = micro_batch * sequence
-            # Model FLOPs of LoRA training: forward and the backward through the activations (the frozen base
-            # has no weight gradients), 2 + 2 multiply-adds per weight and token; the head only on completions.
-            flops = 4 * (non_embedding * tokens + head * micro_batch * completion)
-            flops += 4 * 2 * layers * config.hidden_size * sequence**2 * micro_batch // 2  # causal attention
+            # The harness's convention (bench/README.md, "Model FLOPs"): the head scores the completions alone.
+            model_flops, _ = flops.counted(
+                micro_batch, sequence, [sequence] * micro_batch, micro_batch * completion, True
+            )
             row["tokens_per_s"] = tokens / row["s"]
-            name = torch.cuda.get_device_name() if device() == "cuda" else ""
-            peak = next((value for key, value in peak_flops.items() if key in name), None)
-            row["mfu"] = flops / row["s"] / peak if peak else None
+            row["mfu"] = model_flops / row["s"] / peak if peak else None
             if device() == "cuda":
                 row["measured_above_weights_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
-                row["plan_above_weights_gib"] = (estimate + states // 3) / 2**30  # activations and LoRA gradients
+                row["plan_above_weights_gib"] = (estimate + lora_gradients) / 2**30
                 row["measured_over_plan"] = row["measured_above_weights_gib"] / row["plan_above_weights_gib"]
             rows.append(row)
     return rows
