@@ -39,6 +39,15 @@ def planned_by_us(kind: str) -> bool:
 
 
 @functools.cache
+def config_only(shape: str, models: Path) -> Path:
+    """A folder with ``shape``'s config alone, written once a process (a folder of an older shape_config would
+    otherwise stay)."""
+    directory = models / f"{shape}-config-only"
+    shape_config(shape).save_pretrained(directory)
+    return directory
+
+
+@functools.cache
 def memory_plan(
     shape: str, kind: str, card_gib: float, micro_batch: int, models: Path, completion_tokens: int = COMPLETION_TOKENS
 ) -> dict[str, Any]:
@@ -54,8 +63,7 @@ def memory_plan(
     from colocate_grpo.plan import DeviceMemory, plan_run
     from colocate_grpo.train import grpo_args
 
-    directory = models / f"{shape}-config-only"
-    shape_config(shape).save_pretrained(directory)  # written each time: a folder of an older shape_config would stay
+    directory = config_only(shape, models)
     with tempfile.TemporaryDirectory() as scratch:
         raw = user_config(str(directory), Path(scratch), 1, micro_batch, completion_tokens, USER_KEYS[kind], ["t2"])
         config = load_config(raw)
