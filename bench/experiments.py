@@ -114,6 +114,26 @@ EXPERIMENTS = {
             # No CPU check: the mode needs CUDA (refused on a CPU).
         ),
         Experiment(
+            "async",
+            "training",
+            "async_generation: true against the sequential mode, with the user's defaults (the merged weights served) "
+            "and with the adapter served as the async mode serves it: step, phases, overlap, staleness",
+            shapes=("1.5B", "7B"),
+            kinds=("user", "user-adapter", "user-async"),
+            check={**TINY, "steps": 3, "kinds": ("user-async",)},
+        ),
+        Experiment(
+            "learning-curve",
+            "training",
+            "The training reward over 200 steps at 1.5B: the user's config, the same with another seed (the "
+            "run-to-run spread), the bitwise mode and the async mode, side by side on the device (not for times)",
+            kinds=("user", "user-seed1", "user-bitwise", "user-async"),
+            steps=200,
+            completion_tokens=64,
+            together=True,
+            learning_rate=1e-4,
+        ),
+        Experiment(
             "stock-4bit",
             "training",
             "Stock TRL on an NF4 base against the user's load_in_4bit: true",

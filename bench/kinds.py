@@ -107,6 +107,8 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-checkpointing": {"gradient_checkpointing": True},
     "user-adamw-unfused": {"trl": {"optim": "adamw_torch"}},
     "user-bitwise": {"trl": {"vllm_bitwise_logprobs": True}},
+    "user-async": {"async_generation": True},
+    "user-seed1": {"seed": 1},
 }
 
 
@@ -326,6 +328,10 @@ KINDS: dict[str, Kind] = {
         "user + trl.vllm_bitwise_logprobs: true (vLLM's batch-invariant kernels on both sides)",
         build_user,
     ),
+    "user-async": Kind(
+        "user-async", "user + async_generation: true (the next batch generates while this one trains)", build_user
+    ),
+    "user-seed1": Kind("user-seed1", "user + seed: 1 (another draw of the same run: the run-to-run spread)", build_user),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
@@ -542,11 +548,13 @@ class StepRecorder:
                     step["logp_equal_fraction"] = logs["sampling/logp_equal_fraction"]
                 if "entropy" in logs:
                     step["entropy"] = logs["entropy"]
+                if "reward" in logs:
+                    step["reward"] = logs["reward"]
                 checks = [value for key, value in logs.items() if key.endswith("served_equals_trained")]
                 if checks:
                     step["served_equals_trained"] = bool(min(checks))
                 # colocate_grpo's own per-phase clock and merge checks, as the run logged them.
-                own = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/")
+                own = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/", "async/")
                 step["logged"] = {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
 
         return Steps()

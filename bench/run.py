@@ -14,7 +14,7 @@ A result (``SCHEMA``): ``schema``, ``experiment``, ``kind`` (None for a kernel m
 ``machine`` (device, driver, CPU, Python and package versions), ``commit`` (``-dirty`` when tracked files
 differ), ``date``, ``command``, ``config`` (the run's settings), ``steps`` (per optimizer step: ``step_s``,
 ``phases`` {sync, wake, generate, sleep: ``s`` and the device's used ``device_gib`` after it},
-``train_device_gib``, ``host_rss_gib``, ``logp_diff``, ``logp_equal_fraction``, ``entropy``,
+``train_device_gib``, ``host_rss_gib``, ``logp_diff``, ``logp_equal_fraction``, ``entropy``, ``reward``,
 ``served_equals_trained`` and what
 colocate_grpo logged, ``logged``), ``summary`` (medians over the steps after the second: ``step_s``,
 ``phase_s``, ``overhead_share``, ``samples_per_s``; the training phase's ``train_s``, ``model_tflop``,
@@ -414,6 +414,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="instead of the experiment's")
     parser.add_argument("--micro-batch", type=int, help="instead of the experiment's")
     parser.add_argument("--card-gib", type=float, help="run on a simulated card of this many GiB")
+    parser.add_argument(
+        "--commit", help="the commit to record, where the checkout's git state is not the code's (a copied tree)"
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -433,13 +436,14 @@ def main() -> None:
         "card_gib": args.card_gib,
     }
     described = machine()
-    tag = f"{datetime.date.today().isoformat()}-{hardware_tag(described)}-{commit()}"
+    code = args.commit or commit()
+    tag = f"{datetime.date.today().isoformat()}-{hardware_tag(described)}-{code}"
     session = Session(
         out_dir=args.out_dir or HERE / "results" / tag,
         models=args.models,
         command=shlex.join(["python", "bench/run.py", *sys.argv[1:]]),
         machine=described,
-        commit=commit(),
+        commit=code,
         check=args.check,
     )
     session.out_dir.mkdir(parents=True, exist_ok=True)
