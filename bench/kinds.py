@@ -331,7 +331,7 @@ KINDS: dict[str, Kind] = {
     "user-async": Kind(
         "user-async", "user + async_generation: true (the next batch generates while this one trains)", build_user
     ),
-    "user-seed1": Kind("user-seed1", "user + seed: 1 (another draw of the same run: the run-to-run spread)", build_user),
+    "user-seed1": Kind("user-seed1", "user + seed: 1 (another draw of the run: the run-to-run spread)", build_user),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
