@@ -1,6 +1,7 @@
 """Render the results tables of the README, bench/README.md and docs/results.md from the result JSONs.
 
-    python bench/render.py            # rewrite the tables between their markers (docs/results.md whole)
+    python bench/render.py            # rewrite the tables between their markers (docs/results.md whole) and
+                                      # draw the learning-curve pictures the results folders lack
     python bench/render.py --check    # exit 1 if a file's tables differ from what the results give
 
 Reads every ``bench/results/*/*.json`` of the harness's schema (``run.py``), leaving out CPU checks. Where
@@ -192,6 +193,43 @@ def long_run_table(results: list[dict], prefix: str) -> str:
     return "\n".join(lines)
 
 
+def learning_curves(results: list[dict], results_dir: Path = RESULTS) -> list[Path]:
+    """Draw ``learning-curve.png`` in each folder holding learning-curve results that has none: the training
+    reward per step of each kind, and its moving mean over 20 steps. Returns the pictures drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    folders = sorted({r["folder"] for r in results if r["experiment"] == "learning-curve" and not r["failed"]})
+    for folder in folders:
+        picture = results_dir / folder / "learning-curve.png"
+        if picture.exists():
+            continue
+        figure, axes = plt.subplots(figsize=(8, 4.5))
+        for r in results:
+            if r["folder"] != folder or r["experiment"] != "learning-curve" or r["failed"]:
+                continue
+            rewards = [s["reward"] for s in r["steps"] if "reward" in s]
+            window = 20
+            means = [
+                sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+                for i in range(len(rewards))
+            ]
+            (line,) = axes.plot(means, label=f"{r['kind']} (mean of {window} steps)")
+            axes.plot(rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
+        axes.set_xlabel("optimizer step")
+        axes.set_ylabel("training reward")
+        axes.set_title(f"Training reward, {folder}")
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(picture, dpi=120)
+        plt.close(figure)
+        drawn.append(picture)
+    return drawn
+
+
 def frontier_table(results: list[dict], prefix: str) -> str:
     """The smallest simulated card each kind ran on, by shape, from the newest folder that searched it."""
     lines = [
@@ -331,12 +369,15 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 if a file's tables are not what the results give")
     args = parser.parse_args()
     stale = []
-    for path, text in rendered(load_results()).items():
+    results = load_results()
+    for path, text in rendered(results).items():
         if path.exists() and path.read_text() == text:
             continue
         stale.append(path)
         if not args.check:
             path.write_text(text)
+    if not args.check:
+        stale += learning_curves(results)
     if args.check and stale:
         print("Tables out of date (run python bench/render.py): " + ", ".join(str(p) for p in stale), file=sys.stderr)
         sys.exit(1)
