@@ -22,7 +22,7 @@ import torch
 from colocate_grpo.config import Config, ConfigError, VLLMConfig
 
 if TYPE_CHECKING:
-    from colocate_grpo.plan import TrainingPlan
+    from colocate_grpo.training_plan import TrainingPlan
 
 GIB = 2**30
 # gpu_memory_utilization where the engine cannot be sized (a model whose config transformers cannot read).

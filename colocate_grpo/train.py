@@ -31,9 +31,10 @@ from colocate_grpo.memory_plan import (
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
 from colocate_grpo.output_dir import check_output_dir
-from colocate_grpo.plan import RunPlan, TrainingPlan, plan_run, read_device_memory
+from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
+from colocate_grpo.training_plan import TrainingPlan
 from colocate_grpo.validation import bitwise_problems, precision_problems
 
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good

@@ -10,10 +10,8 @@ from colocate_grpo import models
 from colocate_grpo.config import load_config
 from colocate_grpo.memory_plan import GIB, ModelShape, engine_bytes, kv_cache_bytes, model_shape
 from colocate_grpo.plan import (
-    BUSY_MICRO_BATCH_VALUES,
     MIN_NUM_SEQS,
     DeviceMemory,
-    TrainingPlan,
     merge_aware_mode,
     plan_for_model,
     plan_run,
@@ -22,6 +20,7 @@ from colocate_grpo.plan import (
 from colocate_grpo.serving import Serving
 from colocate_grpo.tiny import tiny_model_path
 from colocate_grpo.train import check_inputs, grpo_args
+from colocate_grpo.training_plan import BUSY_MICRO_BATCH_VALUES, TrainingPlan
 
 TINY = {"max_steps": 2, "num_prompts": 16}
 
