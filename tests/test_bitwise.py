@@ -406,3 +406,46 @@ def test_on_a_gpu_every_sampled_token_has_the_engines_logprob_bit_for_bit(tmp_pa
     # TRL's own check, with its correction asked for: no difference and ratios of exactly 1.
     assert all(e["sampling/sampling_logp_difference/max"] == 0.0 for e in steps)
     assert all(e["sampling/importance_sampling_ratio/min"] == 1.0 for e in steps)
+
+
+@needs_cuda
+def test_on_a_gpu_a_sequences_logprobs_do_not_depend_on_the_rest_of_the_batch(tmp_path, heads_of_128):
+    """Batch invariance on both sides: a prompt sampled alone and beside other prompts (its own seed) gets the same
+    tokens and log-probabilities from the engine, and the trainer's forward scores that sequence alone and packed
+    with others to the same bits."""
+    from vllm import SamplingParams
+
+    raw = tiny(tmp_path, trl={"vllm_bitwise_logprobs": True})
+    raw.update({"base_model": heads_of_128, "max_steps": 1})
+    with build_trainer(load_config(raw)) as trainer:
+        engine = trainer.engine
+        engine.wake_up()
+        if not engine.state.ready:  # weights discarded by a level-2 sleep: the trainer's are pushed
+            trainer.vllm_generation.sync_weights()
+        params = SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, seed=7, ignore_eos=True)
+        prompt = "1 + 2 ="
+        others = ["3 + 4 =", "10 + 20 = 30, and 5 + 6 =", "7 ="]
+        alone = engine.generate([prompt], params)[0].outputs[0]
+        beside = engine.generate(
+            [others[0], prompt, *others[1:]],
+            [SamplingParams(max_tokens=16, temperature=1.0, logprobs=0, seed=s, ignore_eos=True) for s in (1, 7, 2, 3)],
+        )[1].outputs[0]
+        assert list(alone.token_ids) == list(beside.token_ids)
+        values = [[next(iter(step.values())).logprob for step in out.logprobs] for out in (alone, beside)]
+        assert values[0] == values[1]
+
+        model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        kernels = bitwise.engine_kernels(engine.llm)
+        tokenizer = trainer.processing_class
+        sequences = [tokenizer(text)["input_ids"] + list(alone.token_ids) for text in [prompt, *others]]
+        width = max(len(s) for s in sequences)
+
+        def scored(rows: list[list[int]]) -> torch.Tensor:
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device="cuda")
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device="cuda")
+            labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+            with torch.no_grad():
+                return bitwise.causal_lm_log_probs(model, kernels, ids, mask, labels, 1.0).log_probs
+
+        first = len(sequences[0]) - 1
+        assert torch.equal(scored(sequences[:1])[0, :first], scored(sequences)[0, :first])
