@@ -258,7 +258,6 @@ def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
     assert max_num_seqs * sequence <= capacity <= planned + vllm_config.cache_config.block_size
 
 
-@pytest.mark.slow
 def test_default_job_learns(tmp_path, cpu_gemm_route):
     """The README's default job: reward over the last tenth clearly above the first tenth, over two seeds."""
     if cpu_gemm_route not in ("fallback", "cuda"):
