@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -463,8 +464,14 @@ class StepRecorder:
         self.train_seconds = train_seconds
         self.train_start = math.nan
         self.current: dict[str, Any] = {}
-        self.calls: list[str] = []  # the timed calls in progress, outermost first
+        self.threads = threading.local()  # each thread's timed calls in progress, outermost first
         self.steps: list[dict[str, Any]] = []
+
+    @property
+    def calls(self) -> list[str]:
+        if not hasattr(self.threads, "calls"):
+            self.threads.calls = []
+        return self.threads.calls
 
     def device_used_gib(self) -> float:
         """The whole device's used memory (every process's, the simulated card's allocation too), in GiB."""
@@ -488,7 +495,12 @@ class StepRecorder:
             # A call inside another (a wake inside a sync) is not synchronized: colocate_grpo wakes the KV cache
             # while the device writes the weights, and waiting would undo that.
             outermost = not self.calls
-            if self.cuda and outermost:
+            # A call on another thread (async_generation's worker generating while the trainer trains) is timed
+            # without synchronizing the device, which would wait for the trainer's work, and is no overhead of
+            # the trainer's thread.
+            background = threading.current_thread() is not threading.main_thread()
+            synchronize = self.cuda and outermost and not background
+            if synchronize:
                 torch.cuda.synchronize()
             start = time.perf_counter()
             self.calls.append(name)
@@ -496,13 +508,15 @@ class StepRecorder:
                 return fn(*args, **kwargs)
             finally:
                 self.calls.pop()
-                if self.cuda and outermost:
+                if synchronize:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - start
                 phase = self.current.setdefault("phases", {}).setdefault(name, {"s": 0.0, "device_gib": 0.0})
                 phase["s"] += elapsed
                 phase["device_gib"] = max(phase["device_gib"], self.device_used_gib())
-                if outermost and name != "generate":
+                if background:
+                    phase["background"] = True
+                elif outermost and name != "generate":
                     self.current["overhead_s"] = self.current.get("overhead_s", 0.0) + elapsed
 
         return wrapper
@@ -531,7 +545,8 @@ class StepRecorder:
                 current["step_s"] = time.perf_counter() - current.pop("start")
                 # The training phase: the step but its engine calls (scoring, rewards, forwards, backwards, the
                 # optimizer; colocate_grpo's time/train).
-                generate_s = current.get("phases", {}).get("generate", {}).get("s", 0.0)
+                generate = current.get("phases", {}).get("generate", {})
+                generate_s = 0.0 if generate.get("background") else generate.get("s", 0.0)
                 current["train_s"] = current["step_s"] - current.get("overhead_s", 0.0) - generate_s
                 current["alloc_retries"] = recorder.alloc_retries() - current["alloc_retries"]
                 current["train_device_gib"] = recorder.device_used_gib()
@@ -633,6 +648,11 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
     del taken
 
     steps = recorder.steps
+    for step in steps:
+        # Generation on async_generation's worker overlaps the trainer's step, and the trainer may wait for it
+        # outside the calls timed here: its own clock of the training phase is the one to read.
+        if step.get("phases", {}).get("generate", {}).get("background") and "time/train" in step.get("logged", {}):
+            step["train_s"] = step["logged"]["time/train"]
     measured = steps[WARMUP_STEPS:] or steps
     drift = [
         (p.detach().cpu().float() - base_before[n].float()).abs()

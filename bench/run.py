@@ -13,7 +13,8 @@ named ``<experiment>--<shape>[--<kind>][--card<GiB>][--ranks<N>].json``, with th
 A result (``SCHEMA``): ``schema``, ``experiment``, ``kind`` (None for a kernel microbenchmark), ``shape``,
 ``machine`` (device, driver, CPU, Python and package versions), ``commit`` (``-dirty`` when tracked files
 differ), ``date``, ``command``, ``config`` (the run's settings), ``steps`` (per optimizer step: ``step_s``,
-``phases`` {sync, wake, generate, sleep: ``s`` and the device's used ``device_gib`` after it},
+``phases`` {sync, wake, generate, sleep: ``s``, the device's used ``device_gib`` after it, ``background`` where it
+ran on another thread than the trainer's},
 ``train_device_gib``, ``host_rss_gib``, ``logp_diff``, ``logp_equal_fraction``, ``entropy``, ``reward``,
 ``served_equals_trained`` and what
 colocate_grpo logged, ``logged``), ``summary`` (medians over the steps after the second: ``step_s``,

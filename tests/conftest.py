@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,3 +50,25 @@ def cpu_gemm_route(request):
         _close_live_engine()  # the next engine is built under this route
         yield request.param
     _close_live_engine()  # later modules build their own
+
+
+OWN_PROCESS = "COLOCATE_GRPO_TEST_OWN_PROCESS"
+
+
+@pytest.fixture
+def own_process(request) -> bool:
+    """On a GPU vLLM allows one sleep-mode engine per process, so a test that starts one runs again in a process of
+    its own: True where the test's body is to run (that process, or a CPU), False in the parent once it passed."""
+    if not torch.cuda.is_available() or os.environ.get(OWN_PROCESS) == request.node.nodeid:
+        return True
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        cwd=request.config.rootpath,
+        env={**os.environ, OWN_PROCESS: request.node.nodeid},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
+    return False
