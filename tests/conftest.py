@@ -62,7 +62,7 @@ def own_process(request) -> bool:
     if not torch.cuda.is_available() or os.environ.get(OWN_PROCESS) == request.node.nodeid:
         return True
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", request.node.nodeid],
         cwd=request.config.rootpath,
         env={**os.environ, OWN_PROCESS: request.node.nodeid},
         capture_output=True,

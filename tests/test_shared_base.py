@@ -52,7 +52,9 @@ def assert_base_is_the_checkpoints(trainer, reference):
 
 
 @pytest.mark.parametrize("serving", SERVINGS)
-def test_the_trainer_computes_with_the_engines_base_weights(tmp_path, serving):
+def test_the_trainer_computes_with_the_engines_base_weights(tmp_path, serving, own_process):
+    if not own_process:
+        return
     trainer = build_trainer(shared_config(tmp_path, serving))
     generation = trainer.vllm_generation
     assert shares_base_weights(trainer.model, trainer.engine)
@@ -73,7 +75,9 @@ def test_the_trainer_computes_with_the_engines_base_weights(tmp_path, serving):
         assert outliers[0] == 0 and all(value < 0.1 for value in outliers)
 
 
-def test_a_merge_in_place_is_served_and_a_generation_without_a_sync_merges_again(tmp_path):
+def test_a_merge_in_place_is_served_and_a_generation_without_a_sync_merges_again(tmp_path, own_process):
+    if not own_process:
+        return
     trainer = build_trainer(shared_config(tmp_path, "merged", max_steps=1))
     trainer.train()
     generation, engine = trainer.vllm_generation, trainer.engine
@@ -113,8 +117,10 @@ def interrupt_adapter_sync(trainer, monkeypatch):
 @pytest.mark.parametrize("serving", SERVINGS)
 @pytest.mark.parametrize("phase", ["generate", "sync", "train"])
 def test_the_shared_base_is_unchanged_after_an_interrupt_in_each_phase_and_a_resume(
-    tmp_path, monkeypatch, phase, serving
+    tmp_path, monkeypatch, phase, serving, own_process
 ):
+    if not own_process:
+        return
     config = shared_config(tmp_path, serving, max_steps=3, save_steps=1)
     trainer = build_trainer(config, callbacks=[InterruptTraining()] if phase == "train" else None)
     if phase == "generate":
@@ -156,8 +162,10 @@ def record_in_host_memory(monkeypatch):
 
 @pytest.mark.parametrize("interrupted", [False, True])
 def test_a_merge_record_in_host_memory_serves_and_restores_the_shared_base(
-    tmp_path, monkeypatch, record_in_host_memory, interrupted
+    tmp_path, monkeypatch, record_in_host_memory, interrupted, own_process
 ):
+    if not own_process:
+        return
     trainer = build_trainer(shared_config(tmp_path, "merged"))
     generation = trainer.vllm_generation
     assert generation.merged_in_place.in_host_memory
