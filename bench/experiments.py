@@ -24,7 +24,8 @@ class Experiment:
     ``together``: run the kinds side by side on the device (for what does not depend on time, such as the
     mismatch over a long run); ``train_seconds``: stop each run after the step that passes that many seconds;
     ``completion_lengths``: a frontier over completion lengths (the longest that runs on ``card_gib``) instead of
-    over ``cards``.
+    over ``cards``; ``profile_step``: the step whose CUDA kernels the profiler records in each training run (its
+    busy time by stream, and the time kernels of two streams ran at once).
     """
 
     name: str
@@ -42,6 +43,7 @@ class Experiment:
     learning_rate: float | None = None
     train_seconds: float | None = None
     completion_lengths: tuple[int, ...] = ()
+    profile_step: int | None = None
     check: dict[str, Any] | None = field(default=None, compare=False)
     slow_check: bool = True
 
@@ -120,6 +122,7 @@ EXPERIMENTS = {
             "and with the adapter served as the async mode serves it: step, phases, overlap, staleness",
             shapes=("1.5B", "7B"),
             kinds=("user", "user-adapter", "user-async"),
+            profile_step=5,  # one measured step (after two warm-up steps and an async run's first two)
             check={**TINY, "steps": 3, "kinds": ("user-async",)},
         ),
         Experiment(

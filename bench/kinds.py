@@ -64,7 +64,8 @@ class RunSpec:
 
     ``card_gib``: simulate a card of that many GiB (all but that much of the device taken before the run);
     ``train_seconds``: stop after the first step that ends past that many seconds of training;
-    ``learning_rate`` None: 1e-5 (the user's config leaves it to the default, also 1e-5).
+    ``learning_rate`` None: 1e-5 (the user's config leaves it to the default, also 1e-5); ``profile_step``: the
+    step (from 1) whose CUDA kernels the profiler records, for :func:`kernel_overlap` (None: no profile).
     """
 
     experiment: str
@@ -79,6 +80,7 @@ class RunSpec:
     learning_rate: float | None = None
     train_seconds: float | None = None
     ranks: int = 1
+    profile_step: int | None = None
 
     @property
     def tiny(self) -> bool:
@@ -413,6 +415,66 @@ class ModelFlops:
         return model, hardware
 
 
+def kernel_overlap(kernels: list[tuple[int, float, float]]) -> dict[str, Any]:
+    """What a step's CUDA kernels (``(stream, start, end)``, in seconds) kept the device busy with: ``busy_s`` (any
+    kernel running), ``by_stream_s`` (each stream's busy time, its id as a string) and ``overlap_s`` (kernels of two
+    streams or more running at once: asynchronous generation's overlap as the device saw it)."""
+    edges = sorted(
+        [(start, 1, stream) for stream, start, _ in kernels] + [(end, -1, stream) for stream, _, end in kernels]
+    )
+    running: dict[int, int] = {}
+    busy = overlap = 0.0
+    by_stream: dict[int, float] = {}
+    last = edges[0][0] if edges else 0.0
+    for time_s, change, stream in edges:
+        active = [s for s, n in running.items() if n > 0]
+        span = time_s - last
+        busy += span if active else 0.0
+        overlap += span if len(active) > 1 else 0.0
+        for s in active:
+            by_stream[s] = by_stream.get(s, 0.0) + span
+        running[stream] = running.get(stream, 0) + change
+        last = time_s
+    return {"busy_s": busy, "overlap_s": overlap, "by_stream_s": {str(s): t for s, t in sorted(by_stream.items())}}
+
+
+def profile_callback(step: int, into: dict[str, Any]) -> TrainerCallback:
+    """A trainer callback that records the CUDA kernels of optimizer step ``step`` (from 1) with torch's profiler
+    and puts their :func:`kernel_overlap` into ``into``."""
+    import json
+    import tempfile
+
+    import torch
+    from transformers import TrainerCallback
+
+    class Profile(TrainerCallback):
+        profiler: Any = None
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            if state.global_step + 1 == step:
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                self.profiler.__enter__()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            if self.profiler is None:
+                return
+            torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            with tempfile.TemporaryDirectory() as directory:
+                trace = Path(directory) / "trace.json"
+                self.profiler.export_chrome_trace(str(trace))
+                events = json.loads(trace.read_text())["traceEvents"]
+            kernels = [
+                (e["args"]["stream"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                for e in events
+                if e.get("cat") == "kernel" and "stream" in e.get("args", {})
+            ]
+            into.update(step=step, kernels=len(kernels), **kernel_overlap(kernels))
+            self.profiler = None
+
+    return Profile()
+
+
 def count_flops(model: Any, recorder: StepRecorder) -> None:
     """Add each forward of ``model`` (the trainer's: the scoring pass, the micro-batches' forwards, a reference's)
     and its backward to the step in progress: ``flops`` {``model``, ``hardware``, ``tokens`` (real),
@@ -640,6 +702,9 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
     for phase in ("sleep", "wake_up", "generate"):
         setattr(engine, phase, recorder.timed(phase.removesuffix("_up"), getattr(engine, phase)))
     trainer.add_callback(recorder.callback())
+    profiled: dict[str, Any] = {}
+    if cuda and spec.profile_step is not None:
+        trainer.add_callback(profile_callback(spec.profile_step, profiled))
     count_flops(model, recorder)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -697,6 +762,8 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
             # torch's allocator freed its cache and tried again (a device-wide synchronization each time).
             "alloc_retries": sum(s.get("alloc_retries", 0) for s in measured),
             "base_drift_max": max((float(d.max()) for d in drift), default=0.0),
+            # The profiled step's CUDA kernels: the device's busy time, by stream, and two streams at once.
+            "kernels": profiled or None,
         },
     }
 

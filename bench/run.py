@@ -272,6 +272,7 @@ def training_specs(experiment: Experiment, session: Session, shape: str, ranks: 
                 card_gib=experiment.card_gib,
                 learning_rate=experiment.learning_rate,
                 train_seconds=experiment.train_seconds,
+                profile_step=experiment.profile_step,
                 ranks=ranks,
             )
         )
