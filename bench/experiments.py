@@ -133,6 +133,9 @@ EXPERIMENTS = {
             kinds=("user", "user-seed1", "user-bitwise", "user-async"),
             steps=200,
             completion_tokens=64,
+            # Side by side, each plans on the memory free when it starts, before the others train: micro-batches of
+            # 16 keep every run's activations small (the same 64 sequences a step, in four micro-batches).
+            micro_batch=16,
             together=True,
             learning_rate=1e-4,
         ),
@@ -149,6 +152,7 @@ EXPERIMENTS = {
             kinds=("stock", "user", "user-merged", "user-adapter"),
             steps=200,
             completion_tokens=64,
+            micro_batch=16,  # as learning-curve's: small activations beside each other
             together=True,
             check={**TINY, "kinds": ("user", "user-adapter")},
         ),
