@@ -4,10 +4,11 @@ checkpointing, chosen by the run plan (:mod:`colocate_grpo.plan`) as the fastest
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colocate_grpo.memory_plan import GIB
+from colocate_grpo.memory_plan import GIB, MemoryPlan
 
 # Hidden-state values (tokens x hidden size) a micro-batch needs to keep the GPU's matmuls busy. On an H100 a
 # micro-batch without gradient checkpointing trains faster than checkpointed micro-batches of 64 sequences from
@@ -58,7 +59,7 @@ class TrainingPlan:
 
 def fitting_training(
     requested: TrainingPlan,
-    memory_plan: Any,
+    memory_plan: Callable[[TrainingPlan], MemoryPlan],
     checkpointing: bool | None,
     smaller_micro_batches: bool,
     values_per_sequence: int,
