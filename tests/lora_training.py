@@ -28,6 +28,18 @@ def lora_gradients(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
 
 
+def optimizer_step_gradients(trainer, micro_batches):
+    """The loss (summed over ``micro_batches``) and the LoRA gradients of one optimizer step of TRL's loss."""
+    model = trainer.model
+    model.zero_grad()
+    loss = 0.0
+    for micro_batch in micro_batches:
+        micro_loss = trainer.compute_loss(model, micro_batch)
+        micro_loss.backward()
+        loss += micro_loss.item()
+    return loss, lora_gradients(model)
+
+
 def randomize_lora(model):
     """B = 0 (a fresh adapter) gives A no gradient; small random factors give both one."""
     generator = torch.Generator().manual_seed(0)

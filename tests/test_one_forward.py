@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from lora_training import ACCUMULATION, lora_gradients, randomize_lora, relative_error, tiny_config
+from lora_training import ACCUMULATION, optimizer_step_gradients, randomize_lora, relative_error, tiny_config
 
 from colocate_grpo.on_policy import SamplingStats, importance_sampling_ratio, scores_in_training_forward
 from colocate_grpo.train import build_trainer, check_inputs
@@ -66,19 +66,10 @@ def test_the_training_forwards_ratio_gives_trls_loss_gradients_and_metrics(tmp_p
     ]
     trainer.current_gradient_accumulation_steps = ACCUMULATION
 
-    def step(micro_batches):
-        model.zero_grad()
-        loss = 0.0
-        for micro_batch in micro_batches:
-            micro_loss = trainer.compute_loss(model, micro_batch)
-            micro_loss.backward()
-            loss += micro_loss.item()
-        return loss, lora_gradients(model)
-
-    trl_loss, trl_gradients = step(trl_micro_batches)
+    trl_loss, trl_gradients = optimizer_step_gradients(trainer, trl_micro_batches)
     trainer.on_policy.enabled = True
     trainer.on_policy.stats = SamplingStats(expected=ACCUMULATION)  # as generating() begins a generation batch
-    one_loss, one_gradients = step(skipped)
+    one_loss, one_gradients = optimizer_step_gradients(trainer, skipped)
     metrics = {key: list(trainer._metrics["train"][key]) for key in SAMPLING_KEYS}
     trainer.close()
 

@@ -4,7 +4,15 @@ against TRL's padding (colocate_grpo.batching), and the options' checks."""
 import pytest
 import torch
 import trl.trainer.utils as trl_utils
-from lora_training import ACCUMULATION, MICRO_BATCH, lora_gradients, randomize_lora, relative_error, tiny_config
+from lora_training import (
+    ACCUMULATION,
+    MICRO_BATCH,
+    lora_gradients,
+    optimizer_step_gradients,
+    randomize_lora,
+    relative_error,
+    tiny_config,
+)
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from colocate_grpo.batching import group_by_length, lengths, trimmed
@@ -125,13 +133,7 @@ def test_grouping_by_length_gives_the_loss_and_gradients_of_padding(tmp_path, lo
 
     def step(micro_batches, trims):
         trainer.trims_padding = trims
-        model.zero_grad()
-        loss = 0.0
-        for micro_batch in micro_batches:
-            micro_loss = trainer.compute_loss(model, micro_batch)
-            micro_loss.backward()
-            loss += micro_loss.item()
-        return loss, lora_gradients(model)
+        return optimizer_step_gradients(trainer, micro_batches)
 
     padded_loss, padded_gradients = step(padded, trims=False)
     grouped_loss, grouped_gradients = step(grouped, trims=True)
