@@ -294,6 +294,11 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f}"
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes with their unit: GiB to two decimals, or MiB below a tenth of a GiB."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def plan_memory(
     *,
     trainer_weights: int,

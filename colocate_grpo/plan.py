@@ -25,7 +25,6 @@ import torch
 
 from colocate_grpo.config import Config, VLLMConfig
 from colocate_grpo.memory_plan import (
-    GIB,
     LORA_ITEMSIZE,
     MemoryPlan,
     ModelShape,
@@ -35,6 +34,7 @@ from colocate_grpo.memory_plan import (
     model_shape,
     plan_memory,
     shape_of,
+    size_text,
     training_activation_bytes,
     training_bytes,
     weight_bytes,
@@ -208,7 +208,7 @@ class RunPlan:
         if engine.kv_cache_bytes is None:
             cache = f"KV cache sized by vLLM from gpu_memory_utilization={engine.memory_fraction:.2g}"
         else:
-            cache = f"KV cache {_size(engine.kv_cache_bytes)}"
+            cache = f"KV cache {size_text(engine.kv_cache_bytes)}"
         at_once = f"{engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens at once"
         if engine.full_length_sequences is not None:
             at_once = (
@@ -251,10 +251,6 @@ class RunPlan:
             **({} if self.asynchronous is None else {"async_generation": dataclasses.asdict(self.asynchronous)}),
             **({} if self.bitwise is None else {"bitwise_logprobs": dataclasses.asdict(self.bitwise)}),
         }
-
-
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
 def derived_max_model_len(budget: int | None, context: int | None) -> int | None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colocate_grpo.memory_plan import GIB, MemoryPlan
+from colocate_grpo.memory_plan import MemoryPlan, size_text
 
 # Hidden-state values (tokens x hidden size) a micro-batch needs to keep the GPU's matmuls busy. On an H100 a
 # micro-batch without gradient checkpointing trains faster than checkpointed micro-batches of 64 sequences from
@@ -99,12 +99,8 @@ def fitting_training(
             whole = memory_plan(dataclasses.replace(requested, gradient_checkpointing=checkpoint))
             return dataclasses.replace(
                 training,
-                changed=f"(micro_batch_size {requested.micro_batch_size} would need {_gib_text(whole.training_peak)} "
-                f"while training, of {_gib_text(plan.free)} free: the same sequences train in {factor} times as many "
+                changed=f"(micro_batch_size {requested.micro_batch_size} would need {size_text(whole.training_peak)} "
+                f"while training, of {size_text(plan.free)} free: the same sequences train in {factor} times as many "
                 "micro-batches.)",
             )
     return requested
-
-
-def _gib_text(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
