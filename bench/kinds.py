@@ -453,13 +453,13 @@ def profile_callback(step: int, into: dict[str, Any]) -> TrainerCallback:
         def on_step_begin(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             if state.global_step + 1 == step:
                 self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-                self.profiler.__enter__()
+                self.profiler.start()
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
             if self.profiler is None:
                 return
             torch.cuda.synchronize()
-            self.profiler.__exit__(None, None, None)
+            self.profiler.stop()
             with tempfile.TemporaryDirectory() as directory:
                 trace = Path(directory) / "trace.json"
                 self.profiler.export_chrome_trace(str(trace))
@@ -633,6 +633,10 @@ class StepRecorder:
                 # colocate_grpo's own per-phase clock and merge checks, as the run logged them.
                 own = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/", "async/")
                 step["logged"] = {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
+                # Generation on async_generation's worker overlaps the trainer's step, and the trainer may wait for
+                # it outside the calls timed here: its own clock of the training phase is the one to read.
+                if step.get("phases", {}).get("generate", {}).get("background") and "time/train" in logs:
+                    step["train_s"] = logs["time/train"]
 
         return Steps()
 
@@ -713,11 +717,6 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
     del taken
 
     steps = recorder.steps
-    for step in steps:
-        # Generation on async_generation's worker overlaps the trainer's step, and the trainer may wait for it
-        # outside the calls timed here: its own clock of the training phase is the one to read.
-        if step.get("phases", {}).get("generate", {}).get("background") and "time/train" in step.get("logged", {}):
-            step["train_s"] = step["logged"]["time/train"]
     measured = steps[WARMUP_STEPS:] or steps
     drift = [
         (p.detach().cpu().float() - base_before[n].float()).abs()

@@ -213,10 +213,8 @@ def learning_curves(results: list[dict], results_dir: Path = RESULTS) -> list[Pa
                 continue
             rewards = [s["reward"] for s in r["steps"] if "reward" in s]
             window = 20
-            means = [
-                sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-                for i in range(len(rewards))
-            ]
+            recent = [rewards[max(0, i - window + 1) : i + 1] for i in range(len(rewards))]
+            means = [sum(values) / len(values) for values in recent]
             (line,) = axes.plot(means, label=f"{r['kind']} (mean of {window} steps)")
             axes.plot(rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
         axes.set_xlabel("optimizer step")
