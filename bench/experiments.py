@@ -109,10 +109,12 @@ EXPERIMENTS = {
         Experiment(
             "bitwise",
             "training",
-            "trl.vllm_bitwise_logprobs against the user's config at 1.5B: the mode's price in step time and memory, "
-            "and the share of sampled tokens whose logprobs vLLM and the trainer compute bit for bit",
+            "trl.vllm_bitwise_logprobs against the user's config over 20 steps at Qwen2.5 1.5B, Qwen3 1.7B and "
+            "Qwen2.5 7B: the mode's price in step time and memory, and the share of sampled tokens whose logprobs "
+            "vLLM and the trainer compute bit for bit",
+            shapes=("1.5B", "1.7B", "7B"),
             kinds=("user", "user-bitwise"),
-            steps=8,
+            steps=20,
             # No CPU check: the mode needs CUDA (refused on a CPU).
         ),
         Experiment(
@@ -138,6 +140,7 @@ EXPERIMENTS = {
             micro_batch=16,
             together=True,
             learning_rate=1e-4,
+            train_seconds=380,  # a guard: the four runs end with their records within one 10-minute device call
         ),
         Experiment(
             "stock-4bit",

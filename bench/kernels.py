@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from workload import QWEN25, linear_shapes
+from workload import DIMENSIONS, linear_shapes
 
 RANK = 16
 SCALING = 2.0
@@ -156,7 +156,7 @@ def lora_speed(shape: str) -> list[dict[str, Any]]:
     if shape not in ("tiny", "1.5B"):
         return rows
     torch.manual_seed(0)
-    dims = TINY_MODEL | {"vocab_size": 1000} if shape == "tiny" else QWEN25["1.5B"]
+    dims = TINY_MODEL | {"vocab_size": 1000} if shape == "tiny" else DIMENSIONS["1.5B"]
     base = Qwen2ForCausalLM(Qwen2Config(**dims, max_position_embeddings=8192)).to(device(), torch.bfloat16)
     model = with_lora(base, "all-linear")
     for tokens in tokens_list:
@@ -333,7 +333,7 @@ def frozen_copy_rows(shape: str) -> list[dict[str, Any]]:
     """The embeddings' and the head's copy (the frozen tensors' large ones) by the Triton kernel and by copy_."""
     from colocate_grpo.kernels import copy_by_kernel
 
-    dims = QWEN25[shape]
+    dims = DIMENSIONS[shape]
     sources = [torch.randn(dims["vocab_size"], dims["hidden_size"], device="cuda").bfloat16() for _ in range(2)]
     targets = [torch.empty_like(s) for s in sources]
     nbytes = sum(2 * s.nbytes for s in sources)
@@ -398,7 +398,9 @@ def fp32_head_speed(shape: str) -> list[dict[str, Any]]:
         return log_probs.detach().float()
 
     torch.manual_seed(0)
-    hidden_size, vocab = (64, 1000) if shape == "tiny" else (QWEN25[shape]["hidden_size"], QWEN25[shape]["vocab_size"])
+    hidden_size, vocab = (
+        (64, 1000) if shape == "tiny" else (DIMENSIONS[shape]["hidden_size"], DIMENSIONS[shape]["vocab_size"])
+    )
     weight = (torch.randn(vocab, hidden_size, device=device()) * 0.02).bfloat16()
     rows = []
     for tokens in [128] if shape == "tiny" else [2048, 16384]:

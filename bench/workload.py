@@ -1,7 +1,8 @@
 """The benchmarks' models, prompts, reward and the plain config a user writes: built locally, no download.
 
-Shapes are Qwen2.5's dimensions (``QWEN25``) with random bf16 weights and a word-level tokenizer over the
-vocabulary (``t0`` ... ``tN``); ``tiny`` is colocate_grpo's 0.3M-parameter model (the CPU checks). A shape
+Shapes are Qwen2.5's dimensions (``QWEN25``) and Qwen3 1.7B's (``QWEN3``: q/k norms, heads of 128) with random bf16
+weights and a word-level tokenizer over the vocabulary (``t0`` ... ``tN``); ``tiny`` is colocate_grpo's
+0.3M-parameter model (the CPU checks). A shape
 ending in ``-sharp`` has its head scaled so that its next-token distributions are as sharp as a trained
 model's; one ending in ``-stops`` ends a completion with about ``STOP_RATE`` a token, so that completions
 have varied lengths, as a trained model's do (see :func:`build_model`).
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import Qwen2Config
+    from transformers import PretrainedConfig
 
 QWEN25 = {
     "1.5B": dict(
@@ -53,6 +54,19 @@ QWEN25 = {
         vocab_size=152064,
     ),
 }
+# Qwen3 1.7B's dimensions (its checkpoint ties the head to the embeddings; the benchmark's shapes all have their own).
+QWEN3 = {
+    "1.7B": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+}
+DIMENSIONS = QWEN25 | QWEN3
 SHARP = "-sharp"
 SHARP_LOGIT_STD = 8.0
 STOPS = "-stops"
@@ -67,7 +81,7 @@ STEPS_PER_PASS = PROMPTS // (GENERATION_BATCH // NUM_GENERATIONS)  # steps that 
 
 
 def base_shape(shape: str) -> str:
-    """The ``QWEN25`` dimensions' name of a shape (``1.5B`` of ``1.5B-stops``)."""
+    """The ``DIMENSIONS`` name of a shape (``1.5B`` of ``1.5B-stops``)."""
     return shape.split("-")[0]
 
 
@@ -88,8 +102,8 @@ def layer_linears(dims: Mapping[str, int]) -> dict[str, tuple[int, int]]:
 
 
 def linear_shapes(shape: str) -> list[tuple[int, int]]:
-    """(out, in) of every linear layer of a ``QWEN25`` shape but the head: q, k, v, o, gate, up, down per layer."""
-    return list(layer_linears(QWEN25[shape]).values()) * QWEN25[shape]["num_hidden_layers"]
+    """(out, in) of every linear layer of a shape but the head: q, k, v, o, gate, up, down per layer."""
+    return list(layer_linears(DIMENSIONS[shape]).values()) * DIMENSIONS[shape]["num_hidden_layers"]
 
 
 def half_vocabulary_reward(completions: list[str], **_: object) -> list[float]:
@@ -117,12 +131,14 @@ def benchmark_prompts(model_path: str, count: int = PROMPTS) -> list[str]:
     return [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(count)]
 
 
-def shape_config(shape: str) -> Qwen2Config:
-    """The Hugging Face config of the random-weight Qwen2 of ``shape`` (an untied head)."""
-    from transformers import Qwen2Config
+def shape_config(shape: str) -> PretrainedConfig:
+    """The Hugging Face config of the random-weight Qwen2 (Qwen3 for a ``QWEN3`` shape) of ``shape`` (an untied
+    head)."""
+    from transformers import Qwen2Config, Qwen3Config
 
-    return Qwen2Config(
-        **QWEN25[base_shape(shape)],
+    config_class = Qwen3Config if base_shape(shape) in QWEN3 else Qwen2Config
+    return config_class(
+        **DIMENSIONS[base_shape(shape)],
         max_position_embeddings=32768,  # Qwen2.5's context: the completion frontier goes long
         tie_word_embeddings=False,
         eos_token_id=0,
@@ -134,10 +150,11 @@ def shape_config(shape: str) -> Qwen2Config:
 def build_model(shape: str, models: Path) -> str:
     """The directory of ``shape``'s model, built in ``models/<shape>`` unless it is there already.
 
-    A random-weight bf16 Qwen2 with a word-level tokenizer covering its vocabulary; ``tiny`` is colocate_grpo's
-    tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``) has its head scaled so that the logits' standard
-    deviation is ``SHARP_LOGIT_STD``: a random model's next-token distributions are near uniform (entropy 11.2
-    nats of at most 11.9), a trained model's are sharp, and the head's rounding weighs with the logits' size.
+    A random-weight bf16 Qwen2 (Qwen3 for a ``QWEN3`` shape) with a word-level tokenizer covering its vocabulary;
+    ``tiny`` is colocate_grpo's tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``) has its head scaled so
+    that the logits' standard deviation is ``SHARP_LOGIT_STD``: a random model's next-token distributions are near
+    uniform (entropy 11.2 nats of at most 11.9), a trained model's are sharp, and the head's rounding weighs with the
+    logits' size.
     A shape ending in ``-stops`` has its end-of-sequence row of the head set (:func:`make_stops`) so that a
     completion ends with probability ``STOP_RATE`` a token: a random model's almost never ends one (1 in 152k a
     token), and every completion would take all 256 tokens.
@@ -152,16 +169,16 @@ def build_model(shape: str, models: Path) -> str:
     import torch
     from tokenizers import Tokenizer, pre_tokenizers
     from tokenizers import models as tokenizer_models
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(QWEN25[base_shape(shape)]["vocab_size"])}
+    vocab = {f"t{i}": i for i in range(DIMENSIONS[base_shape(shape)]["vocab_size"])}
     word_level = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="t1"))
     word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="t0", pad_token="t0", unk_token="t1")
     config = shape_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     if shape.endswith(SHARP):  # the final norm's output has unit RMS: a logit's std is the head row's norm
         with torch.no_grad():
             model.lm_head.weight.mul_(SHARP_LOGIT_STD / (config.initializer_range * config.hidden_size**0.5))

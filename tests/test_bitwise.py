@@ -359,36 +359,43 @@ def test_the_merged_weight_passes_the_gradient_straight_through_the_cast_to_a_an
 needs_cuda = pytest.mark.skipif(not CUDA, reason="bitwise log-probabilities need vLLM's CUDA kernels (see above)")
 
 
-@pytest.fixture(scope="module")
-def heads_of_128(tmp_path_factory):
-    """The tiny model's tokenizer with a random Qwen2 of attention heads of 128 (the mode's head size)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+def random_model_with_heads_of_128(directory, architecture: str = "qwen2") -> str:
+    """The tiny model's tokenizer with a random Qwen2 (or Qwen3, with its q/k norms) of attention heads of 128, the
+    mode's head size, saved in ``directory``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen3Config
 
-    directory = tmp_path_factory.mktemp("heads128")
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
-    config = Qwen2Config(
+    config_class = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
+        head_dim=128,
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
 
 
+@pytest.fixture(scope="module")
+def heads_of_128(tmp_path_factory):
+    return random_model_with_heads_of_128(tmp_path_factory.mktemp("heads128"))
+
+
 @needs_cuda
-@pytest.mark.parametrize("adapter", ["lora", None])
-def test_on_a_gpu_every_sampled_token_has_the_engines_logprob_bit_for_bit(tmp_path, heads_of_128, adapter, own_process):
+@pytest.mark.parametrize(("architecture", "adapter"), [("qwen2", "lora"), ("qwen2", None), ("qwen3", "lora")])
+def test_on_a_gpu_every_sampled_token_has_the_engines_logprob_bit_for_bit(tmp_path, architecture, adapter, own_process):
     if not own_process:
         return
+    model = random_model_with_heads_of_128(tmp_path / "model", architecture)
     raw = tiny(tmp_path, trl={"vllm_bitwise_logprobs": True, "vllm_importance_sampling_correction": True})
-    raw.update({"base_model": heads_of_128, "max_steps": 3, "adapter": adapter, "learning_rate": 1e-3})
+    raw.update({"base_model": model, "max_steps": 3, "adapter": adapter, "learning_rate": 1e-3})
     with build_trainer(load_config(raw)) as trainer:
         trainer.train()
         history = trainer.metrics.history
