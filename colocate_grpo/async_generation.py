@@ -268,8 +268,7 @@ class AsyncColocatedGeneration(ColocatedGeneration):
     def _run(self, rollout: Rollout) -> None:
         """The worker: generate ``rollout``'s batch on the worker's stream; keep the output or the error."""
         try:
-            stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-            with stream:
+            with self._on_worker_stream():
                 # No profiler: TRL's writes the trainer's metrics, which only the trainer's thread touches.
                 rollout.output = VLLMGeneration.generate(
                     self, prompts=rollout.prompt_ids, images=None, num_generations=rollout.num_generations
@@ -280,6 +279,15 @@ class AsyncColocatedGeneration(ColocatedGeneration):
             rollout.error = error
         finally:
             rollout.finished = time.perf_counter()
+
+    @contextlib.contextmanager
+    def _on_worker_stream(self) -> Iterator[None]:
+        """The worker's CUDA stream for this thread's kernels and the engine's steps (nothing on a CPU)."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream), self.llm.steps_on(self._stream):
+            yield
 
     def _after_worker(self) -> None:
         """Order the trainer's stream after the worker's: its next writes (a sync) follow the worker's reads."""

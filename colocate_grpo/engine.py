@@ -219,6 +219,10 @@ class Engine:
         """The engine's ``nn.Module`` (vLLM parameter names, fused projections)."""
         return vllm_shims.model_runner(self._require_open()).model
 
+    def steps_on(self, stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[None]:
+        """Run the engine's steps on ``stream`` within the block (a CUDA stream of the thread driving it)."""
+        return vllm_shims.steps_on_stream(self._require_open(), stream)
+
     # --- the adapter slot --------------------------------------------------------------------
     def load_adapter(self, save: Callable[[str], None]) -> None:
         """Load a PEFT adapter into the engine's one LoRA slot and pin it there, for every request. vLLM loads

@@ -9,6 +9,7 @@ says what it expects and what it falls back to.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import sys
@@ -33,6 +34,30 @@ def on_cpu() -> bool:
 def model_runner(llm: Any) -> Any:
     """vLLM's model runner in this process: the engine's model and its LoRA manager (vLLM 0.26 to 0.32)."""
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+@contextlib.contextmanager
+def steps_on_stream(llm: Any, stream: torch.cuda.Stream) -> Iterator[None]:
+    """Within the block, the engine's steps run on ``stream`` and wait for nothing else, whichever thread drives it.
+
+    vLLM 0.26's V2 model runner keeps the stream of the thread that first ran a step (``main_stream``, a cached
+    property), and after each step's output copy, which first waits for all of that stream's work, makes it the
+    current stream again. Driven from another thread on a stream of its own (asynchronous generation), every step
+    but the first would then run on the first thread's stream, queued behind the trainer's kernels. The V1 runner
+    reads the current stream at each step and needs nothing.
+    """
+    runner = model_runner(llm)
+    if not isinstance(getattr(type(runner), "main_stream", None), functools.cached_property):
+        yield
+        return
+    kept = runner.__dict__.pop("main_stream", None)
+    runner.__dict__["main_stream"] = stream
+    try:
+        yield
+    finally:
+        del runner.__dict__["main_stream"]
+        if kept is not None:
+            runner.__dict__["main_stream"] = kept
 
 
 def shutdown(llm: Any, keep_process_group: bool) -> None:
