@@ -24,6 +24,7 @@ Kinds:
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import statistics
@@ -670,9 +671,14 @@ def mean(values: list[float]) -> float | None:
 
 
 def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean |logp_vLLM - logp_trainer| over the run, in its first and last tenth, and per pass over the prompts
-    (a step's mismatch depends on the prompts it draws: two passes compare the same prompts)."""
+    """Mean |logp_vLLM - logp_trainer| over the run, in its first and last tenth, per pass over the prompts (a
+    step's mismatch depends on the prompts it draws: two passes compare the same prompts), and by the staleness of
+    the batch trained on (asynchronous generation: optimizer steps between its adapter and the trainer's)."""
     values = [s["logp_diff"] for s in steps if "logp_diff" in s]
+    by_staleness = collections.defaultdict(list)
+    for s in steps:
+        if "logp_diff" in s and "async/staleness" in s.get("logged", {}):
+            by_staleness[round(s["logged"]["async/staleness"])].append(s["logp_diff"])
     equal = [s["logp_equal_fraction"] for s in steps if "logp_equal_fraction" in s]
     tenth = max(1, len(values) // 10)
     passes = [values[i : i + STEPS_PER_PASS] for i in range(0, len(values) - STEPS_PER_PASS + 1, STEPS_PER_PASS)]
@@ -681,6 +687,7 @@ def mismatch_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "first_tenth": mean(values[:tenth]),
         "last_tenth": mean(values[-tenth:]),
         "by_pass": [statistics.mean(p) for p in passes],
+        "by_staleness": {str(age): statistics.mean(v) for age, v in sorted(by_staleness.items())},
         # The share of sampled tokens whose two log-probabilities are equal bit for bit: its mean and lowest step.
         "equal_fraction": mean(equal),
         "equal_fraction_min": min(equal, default=None),

@@ -21,8 +21,8 @@ colocate_grpo logged, ``logged``), ``summary`` (medians over the steps after the
 ``phase_s``, ``overhead_share``, ``samples_per_s``; the training phase's ``train_s``, ``model_tflop``,
 ``train_tflops``, ``mfu``, ``hfu``, ``padding_share``), ``memory`` (peaks in GiB by phase, on a simulated card
 ``card_used_gib``), ``mismatch`` (mean |logp_vLLM - logp_trainer|: ``mean``, ``first_tenth``,
-``last_tenth``, ``by_pass``; ``equal_fraction`` and ``equal_fraction_min``: the share of sampled tokens equal bit
-for bit), ``served_equals_trained`` (the worst check of the run; None where nothing
+``last_tenth``, ``by_pass``, ``by_staleness``; ``equal_fraction`` and ``equal_fraction_min``: the share of
+sampled tokens equal bit for bit), ``served_equals_trained`` (the worst check of the run; None where nothing
 checks), ``metrics`` (the experiment's own numbers: a kernel's rows, a frontier attempt's plan) and
 ``failed`` (None, or why the run did not finish).
 """
