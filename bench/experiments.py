@@ -140,7 +140,7 @@ EXPERIMENTS = {
             micro_batch=16,
             together=True,
             learning_rate=1e-4,
-            train_seconds=380,  # a guard: the four runs end with their records within one 10-minute device call
+            train_seconds=340,  # a guard: the four runs end with their records within one 10-minute device call
         ),
         Experiment(
             "stock-4bit",
