@@ -236,29 +236,34 @@ class _Rotary(torch.autograd.Function):
 
 class _Attention(torch.autograd.Function):
     """Causal attention over packed sequences by vLLM's FlashAttention, as the engine calls it (``num_splits=1``);
-    the backward recomputes each sequence with torch's scaled-dot-product attention."""
+    the backward recomputes it with torch's scaled-dot-product attention, every sequence at once."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_len, scale, attend):  # noqa: ANN001, ANN205
         ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
+        ctx.scale, ctx.max_len = scale, max_len
         return attend(q, k, v, cu_seqlens, max_len, scale)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, cu_seqlens = ctx.saved_tensors
-        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        bounds = cu_seqlens.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            if end == start:
-                continue
-            with torch.enable_grad():
-                parts = [t[start:end].detach().transpose(0, 1).requires_grad_() for t in (q, k, v)]
-                out = F.scaled_dot_product_attention(*parts, is_causal=True, scale=ctx.scale, enable_gqa=True)
-                grads = torch.autograd.grad(out, parts, grad[start:end].transpose(0, 1))
-            for target, part in zip((grad_q, grad_k, grad_v), grads, strict=True):
-                target[start:end] = part.transpose(0, 1)
-        return grad_q, grad_k, grad_v, None, None, None, None
+        # Each packed token's sequence and position: the sequences right-padded to the longest, one attention call.
+        # Causal, a token attends to its own sequence's tokens before it, never to the padding after its end; the
+        # padding's rows get no gradient and give none.
+        lengths = cu_seqlens.diff().long()
+        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths, output_size=len(q))
+        position = torch.arange(len(q), device=q.device) - cu_seqlens.long()[sequence]
+        with torch.enable_grad():
+            parts = [t.detach().requires_grad_() for t in (q, k, v)]
+            query, key, value = (
+                t.new_zeros(len(lengths), ctx.max_len, *t.shape[1:]).index_put((sequence, position), t).transpose(1, 2)
+                for t in parts
+            )
+            group = q.shape[1] // k.shape[1]  # query heads per key/value head
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=ctx.scale)
+            grads = torch.autograd.grad(out.transpose(1, 2)[sequence, position], parts, grad)
+        return *grads, None, None, None, None
 
 
 class _MergedWeight(torch.autograd.Function):
