@@ -266,25 +266,39 @@ class _Attention(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
-class _MergedWeight(torch.autograd.Function):
-    """The merge-aware LoRA weight ``cast(W + s B A)`` (:func:`colocate_grpo.lora.merged_weight`, the weight the
-    engine serves), with the gradient reaching A and B straight through the cast, as merge-aware LoRA trains."""
+class _LoraLinear(torch.autograd.Function):
+    """``x @ W^T + b`` by vLLM's batch-invariant matmul, where W stacks the weights of one or more layers (vLLM's
+    merged q/k/v or gate/up): merge-aware LoRA layers' ``cast(W_i + s_i B_i A_i)``, frozen layers' own.
+
+    The backward is merge-aware LoRA's (:class:`colocate_grpo.lora._MergeAwareLinear`): each A_i and B_i get their
+    gradient straight through the cast, in low rank, never forming the (out, in) dL/dW. ``layout`` holds each
+    layer's (rows of W, LoRA scaling or None for a frozen layer); ``factors`` A_1, B_1, A_2, B_2, ... of the LoRA
+    layers in order.
+    """
 
     @staticmethod
-    def forward(ctx, weight, lora_A, lora_B, scaling, dtype):  # noqa: ANN001, ANN205
-        from colocate_grpo.lora import merged_weight
-
-        ctx.save_for_backward(lora_A, lora_B)
-        ctx.scaling = scaling
-        return merged_weight(weight, lora_A, lora_B, scaling, dtype)
+    def forward(ctx, x, weight, bias, kernel, layout, *factors):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight, *factors)
+        ctx.layout = layout
+        return kernel(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        lora_A, lora_B = ctx.saved_tensors
-        g = grad.float()
-        grad_A = (lora_B.float().T @ g).mul_(ctx.scaling).to(lora_A.dtype) if ctx.needs_input_grad[1] else None
-        grad_B = (g @ lora_A.float().T).mul_(ctx.scaling).to(lora_B.dtype) if ctx.needs_input_grad[2] else None
-        return None, grad_A, grad_B, None, None
+        x, weight, *factors = ctx.saved_tensors
+        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_b = flat_grad.sum(0) if ctx.needs_input_grad[2] else None
+        pairs = iter(zip(factors[::2], factors[1::2], strict=True))
+        grad_factors, start = [], 0
+        for rows, scaling in ctx.layout:
+            if scaling is not None:
+                lora_A, lora_B = next(pairs)
+                g = flat_grad[:, start : start + rows]
+                # dL/dA = s (G B)^T X and dL/dB = s G^T (X A^T), in the compute dtype with fp32 accumulation.
+                grad_factors.append(((g @ lora_B.to(g.dtype)).T @ flat_x).float().mul_(scaling).to(lora_A.dtype))
+                grad_factors.append((g.T @ (flat_x @ lora_A.to(x.dtype).T)).float().mul_(scaling).to(lora_B.dtype))
+            start += rows
+        return grad_x, None, grad_b, None, None, *grad_factors
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -420,37 +434,52 @@ def engine_kernels(llm: Any) -> Kernels:
     )
 
 
-def forward_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias a linear layer computes with: merge-aware LoRA's merged weight (the one the engine
-    serves), or the layer's own (full fine-tuning, a layer without LoRA, adapters disabled)."""
+def lora_factors_of(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """A merge-aware LoRA layer's (A, B, scaling); None for a layer without LoRA or with its adapter disabled.
+
+    Raises:
+        RuntimeError: for a LoRA layer that is not merge-aware (its forward is not the weight the engine serves).
+    """
     from colocate_grpo.lora import MergeAwareLoraLinear, lora_factors
 
     if isinstance(module, MergeAwareLoraLinear):
-        base = module.base_layer
-        factors = lora_factors(module)
-        if factors is None:
-            return base.weight, base.bias
-        lora_A, lora_B, scaling = factors
-        return _MergedWeight.apply(base.weight, lora_A, lora_B, scaling, module.merge_dtype), base.bias
+        return lora_factors(module)
     if hasattr(module, "base_layer"):
         raise RuntimeError(
             "trl.vllm_bitwise_logprobs needs merge-aware LoRA layers (lora_merge_aware: auto), got "
             f"{type(module).__name__}."
         )
-    return module.weight, module.bias
+    return None
 
 
 def merged_linear(x: torch.Tensor, modules: list[torch.nn.Module], kernels: Kernels) -> torch.Tensor:
     """``x`` through the linear layers ``modules`` as one matmul of their stacked weights (vLLM's merged qkv and
-    gate/up layers)."""
-    weights, biases = zip(*(forward_weight(m) for m in modules), strict=True)
-    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    gate/up layers), each merge-aware LoRA layer with its merged weight, the one the engine serves."""
+    bases = [getattr(m, "base_layer", m) for m in modules]
+    factors = [lora_factors_of(m) for m in modules]
     bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [b if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases, strict=True)]
-        )
-    return _Linear.apply(x, weight, bias, kernels.linear)
+    if any(b.bias is not None for b in bases):
+        bias = torch.cat([b.bias if b.bias is not None else x.new_zeros(b.weight.shape[0]) for b in bases])
+    if all(f is None for f in factors):  # full fine-tuning, or adapters disabled: the layers' own weights
+        weights = [b.weight for b in bases]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        return _Linear.apply(x, weight, bias, kernels.linear)
+    from colocate_grpo.lora import merged_weight
+
+    dtype = next(m.merge_dtype for m, f in zip(modules, factors, strict=True) if f is not None)
+    weight = torch.empty(sum(b.weight.shape[0] for b in bases), bases[0].weight.shape[1], dtype=dtype, device=x.device)
+    start = 0
+    with torch.no_grad():
+        for base, lora in zip(bases, factors, strict=True):
+            rows = weight[start : start + base.weight.shape[0]]
+            if lora is None:
+                rows.copy_(base.weight)
+            else:
+                merged_weight(base.weight, *lora, dtype, out=rows)
+            start += base.weight.shape[0]
+    layout = tuple((b.weight.shape[0], None if f is None else f[2]) for b, f in zip(bases, factors, strict=True))
+    tensors = [t for f in factors if f is not None for t in f[:2]]
+    return _LoraLinear.apply(x, weight, bias, kernels.linear, layout, *tensors)
 
 
 def _norm(x: torch.Tensor, module: torch.nn.Module, kernels: Kernels) -> torch.Tensor:

@@ -343,15 +343,55 @@ def test_each_ops_reference_backward_is_the_gradient_of_its_forward():
     )
 
 
-def test_the_merged_weight_passes_the_gradient_straight_through_the_cast_to_a_and_b():
-    weight, lora_A, lora_B = torch.randn(6, 8), torch.randn(2, 8, requires_grad=True), torch.randn(6, 2)
-    lora_B.requires_grad_()
-    merged = bitwise._MergedWeight.apply(weight, lora_A, lora_B, 0.5, torch.bfloat16)
-    grad = torch.randn(6, 8)
-    grad_A, grad_B = torch.autograd.grad(merged, (lora_A, lora_B), grad.bfloat16())
-    torch.testing.assert_close(grad_A, 0.5 * lora_B.detach().T @ grad.bfloat16().float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(grad_B, 0.5 * grad.bfloat16().float() @ lora_A.detach().T, rtol=1e-2, atol=1e-2)
-    assert merged.dtype == torch.bfloat16
+def test_the_stacked_lora_linear_gives_a_and_b_the_gradient_straight_through_the_merge_in_low_rank():
+    """q/k/v as vLLM merges them, k without LoRA: the gradients of x, each A and each B are those of
+    x @ [W_q + s B_q A_q; W_k; W_v + s B_v A_v]^T + b (in float64, where the cast is the identity)."""
+    torch.manual_seed(0)
+    d = torch.float64
+    x = torch.randn(5, 8, dtype=d, requires_grad=True)
+    weights = [torch.randn(rows, 8, dtype=d) for rows in (6, 2, 2)]
+    bias = torch.randn(10, dtype=d)
+    a_q, b_q, a_v, b_v = (
+        torch.randn(*shape, dtype=d, requires_grad=True) for shape in ((3, 8), (6, 3), (3, 8), (2, 3))
+    )
+    stacked = torch.cat([weights[0] + 0.5 * b_q @ a_q, weights[1], weights[2] + 2.0 * b_v @ a_v])
+    layout = ((6, 0.5), (2, None), (2, 2.0))
+    out = bitwise._LoraLinear.apply(x, stacked.detach(), bias, F.linear, layout, a_q, b_q, a_v, b_v)
+    grad = torch.randn_like(out)
+    inputs = (x, a_q, b_q, a_v, b_v)
+    got = torch.autograd.grad(out, inputs, grad)
+    want = torch.autograd.grad(F.linear(x, stacked, bias), inputs, grad)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_the_packed_forward_gives_merge_aware_lora_the_gradients_of_the_models_own_forward():
+    """Through the whole packed forward, the LoRA factors' gradients are those of the model's own forward (merge-aware
+    LoRA's layers, in fp32 where the merge's cast is the identity)."""
+    from peft import LoraConfig, get_peft_model
+
+    from colocate_grpo.lora import MergeAwareLoraLinear, install_merge_aware
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", lora_dropout=0.0))
+    install_merge_aware(model)
+    for module in model.modules():
+        if isinstance(module, MergeAwareLoraLinear):
+            module.merge_dtype = torch.float32
+            torch.nn.init.normal_(module.lora_B["default"].weight)  # B = 0 would give A no gradient
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [3, 4, 12, 13, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    factors = [p for name, p in model.named_parameters() if "lora_" in name]
+
+    packed = bitwise.causal_lm_log_probs(model.get_base_model(), reference_kernels(base), ids, mask, labels, 1.0)
+    got = torch.autograd.grad(packed.log_probs[packed.label_mask].sum(), factors)
+    logp = model(input_ids=ids, attention_mask=mask).logits[:, :-1].log_softmax(-1)
+    own = logp.gather(-1, ids[:, 1:, None])[..., 0][mask[:, 1:].bool()].sum()
+    want = torch.autograd.grad(own, factors)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 # --- On a GPU: the bits themselves ---------------------------------------------------------------------------------
