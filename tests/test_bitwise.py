@@ -161,6 +161,8 @@ def test_logp_agreement_counts_bit_patterns_over_the_scored_tokens():
     assert metrics[EQUAL_KEY] == pytest.approx(3 / 5)
     assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(1.2e-7, rel=0.1)
     assert logp_agreement(trained, sampled, torch.zeros_like(mask)) == {}
+    every = torch.full((3, 5461), -0.5)  # 16,383 tokens, all equal: exactly 1, whatever the count
+    assert logp_agreement(every, every.clone(), torch.ones_like(every))[EQUAL_KEY] == 1.0
 
 
 def test_a_drop_below_one_in_the_mode_is_warned_once_each_time(caplog):
