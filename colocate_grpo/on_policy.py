@@ -41,6 +41,18 @@ TRUNCATE_MODES = ("sequence_truncate", "token_truncate")
 MASK_MODES = ("sequence_mask", "token_mask")
 
 
+def trl_scores_old_logprobs(args: Any) -> bool:
+    """Whether TRL 1.16 would run its scoring pass for a run with these ``GRPOConfig`` arguments: its vLLM
+    importance-sampling correction on, or a generation batch trained over more than one optimizer step or
+    iteration (``_generate_and_score_completions``'s condition). Otherwise the loss takes its own log-probabilities,
+    detached, as the old ones."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return bool(
+        args.gradient_accumulation_steps % generate_every != 0
+        or (args.use_vllm and args.vllm_importance_sampling_correction)
+    )
+
+
 def scores_in_training_forward(args: Any) -> bool:
     """Whether a run with these ``GRPOConfig`` arguments computes TRL's importance-sampling ratio in each
     micro-batch's training forward instead of in a scoring pass: TRL's correction on (with vLLM), and every

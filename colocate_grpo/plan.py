@@ -39,7 +39,7 @@ from colocate_grpo.memory_plan import (
     training_bytes,
     weight_bytes,
 )
-from colocate_grpo.on_policy import scores_in_training_forward
+from colocate_grpo.on_policy import scores_in_training_forward, trl_scores_old_logprobs
 from colocate_grpo.serving import AsyncMode, Serving
 from colocate_grpo.training_plan import TrainingPlan, fitting_training
 
@@ -495,6 +495,7 @@ def _derive(
         steps_per_generation=args.steps_per_generation,
         gradient_checkpointing=True if checkpointing is None else checkpointing,
         one_forward=scores_in_training_forward(args),
+        old_logprobs_needed=trl_scores_old_logprobs(args),
     )
 
     def run_plan(training: TrainingPlan, needs: MemoryPlan | None) -> RunPlan:

@@ -28,6 +28,9 @@ class TrainingPlan:
         gradient_checkpointing: recompute activations in the backward pass.
         one_forward: TRL's importance-sampling ratio from each micro-batch's training forward, without its
             scoring pass (:mod:`colocate_grpo.on_policy`): where generation is on the policy that trains.
+        old_logprobs_needed: whether TRL needs old log-probabilities at all
+            (:func:`colocate_grpo.on_policy.trl_scores_old_logprobs`): not with its importance-sampling correction
+            off and each generation batch trained within one optimizer step.
         changed: what the plan changed of what the run asked for, and why (None: nothing).
     """
 
@@ -36,6 +39,7 @@ class TrainingPlan:
     steps_per_generation: int
     gradient_checkpointing: bool
     one_forward: bool = False
+    old_logprobs_needed: bool = True
     changed: str | None = field(default=None, compare=False)
 
     def describe(self) -> str:
@@ -43,9 +47,14 @@ class TrainingPlan:
         line = (
             f"Training: micro-batches of {self.micro_batch_size}, {self.gradient_accumulation_steps} per "
             f"optimizer step, gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}, "
-            f"old log-probabilities from {'each training forward' if self.one_forward else 'a scoring pass'}."
+            f"{self._old_logprobs()}."
         )
         return line if self.changed is None else f"{line} {self.changed}"
+
+    def _old_logprobs(self) -> str:
+        if not self.old_logprobs_needed:
+            return "no old log-probabilities needed (no importance-sampling correction, each batch trained once)"
+        return f"old log-probabilities from {'each training forward' if self.one_forward else 'a scoring pass'}"
 
     def grpo_arguments(self) -> dict[str, Any]:
         """The ``GRPOConfig`` arguments that carry this plan."""

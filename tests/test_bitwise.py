@@ -112,6 +112,9 @@ def test_the_plan_carries_the_mode_and_the_engine_is_another_one():
     assert KEY in on.engine.differences(off.engine) and KEY in off.engine.differences(on.engine)
     asked = plan({"vllm_bitwise_logprobs": True, "vllm_importance_sampling_correction": True})
     assert asked.bitwise.importance_sampling_correction and "computed as asked" in asked.summary()
+    # The correction off, each batch trained within one optimizer step: TRL runs no scoring pass, and the plan says so.
+    assert "no old log-probabilities needed" in on.training.describe()
+    assert "from each training forward" in asked.training.describe() and off.training.old_logprobs_needed
 
 
 # --- Why not on a CPU ---------------------------------------------------------------------------------------------

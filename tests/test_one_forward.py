@@ -134,7 +134,8 @@ def test_the_scoring_pass_runs_only_where_generation_is_off_the_training_policy(
     training = trainer.plan.training
     aligned = trl.get("vllm_importance_sampling_correction", True) and not scoring_pass
     assert training.one_forward is aligned
-    assert ("each training forward" if aligned else "a scoring pass") in training.describe()
+    line = "each training forward" if aligned else "a scoring pass" if scoring_pass else "no old log-probabilities"
+    assert line in training.describe() and training.old_logprobs_needed is (aligned or scoring_pass)
     calls, handle = count_forwards(trainer.model)
     trainer.model.train()
     micro_batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
