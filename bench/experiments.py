@@ -115,6 +115,7 @@ EXPERIMENTS = {
             shapes=("1.5B", "1.7B", "7B"),
             kinds=("user", "user-bitwise"),
             steps=20,
+            profile_step=5,  # where each kind's step spends the device's time, kernel by kernel
             # No CPU check: the mode needs CUDA (refused on a CPU).
         ),
         Experiment(

@@ -439,9 +439,21 @@ def kernel_overlap(kernels: list[tuple[int, float, float]]) -> dict[str, Any]:
     return {"busy_s": busy, "overlap_s": overlap, "by_stream_s": {str(s): t for s, t in sorted(by_stream.items())}}
 
 
+def kernel_time_by_name(kernels: list[tuple[str, float]], top: int = 20) -> list[dict[str, Any]]:
+    """The ``top`` kernels by their summed time in a step (``(name, seconds)`` each run): ``name`` (cut to 120
+    characters), ``s`` and ``count``, longest first. Where a step's device time goes, kernel by kernel."""
+    totals: dict[str, list[float]] = {}
+    for name, seconds in kernels:
+        entry = totals.setdefault(name[:120], [0.0, 0])
+        entry[0] += seconds
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [{"name": name, "s": seconds, "count": int(count)} for name, (seconds, count) in ranked]
+
+
 def profile_callback(step: int, into: dict[str, Any]) -> TrainerCallback:
     """A trainer callback that records the CUDA kernels of optimizer step ``step`` (from 1) with torch's profiler
-    and puts their :func:`kernel_overlap` into ``into``."""
+    and puts their :func:`kernel_overlap` and :func:`kernel_time_by_name` (``top_kernels``) into ``into``."""
     import json
     import tempfile
 
@@ -465,12 +477,10 @@ def profile_callback(step: int, into: dict[str, Any]) -> TrainerCallback:
                 trace = Path(directory) / "trace.json"
                 self.profiler.export_chrome_trace(str(trace))
                 events = json.loads(trace.read_text())["traceEvents"]
-            kernels = [
-                (e["args"]["stream"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-                for e in events
-                if e.get("cat") == "kernel" and "stream" in e.get("args", {})
-            ]
+            events = [e for e in events if e.get("cat") == "kernel" and "stream" in e.get("args", {})]
+            kernels = [(e["args"]["stream"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in events]
             into.update(step=step, kernels=len(kernels), **kernel_overlap(kernels))
+            into["top_kernels"] = kernel_time_by_name([(e.get("name", "?"), e["dur"] / 1e6) for e in events])
             self.profiler = None
 
     return Profile()
