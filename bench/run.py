@@ -321,7 +321,20 @@ def run_together(specs: dict[str, dict]) -> dict[str, dict]:
 
 
 def print_ratios(results: list[dict]) -> None:
-    """Each kind against stock TRL at the same shape: step time and peak device memory."""
+    """Each kind against stock TRL at the same shape: step time and peak device memory; each of the user's kinds
+    with one key against the user's plain config (``user``): step time, and for asynchronous generation the step
+    against the longer of the plain config's generation and training phases (what a perfect overlap would take)."""
+    done = [r for r in results if not r["failed"] and r["kind"]]
+    for result in done:
+        plain = next((r for r in done if r["kind"] == "user" and r["shape"] == result["shape"]), None)
+        if plain is None or result is plain or not result["kind"].startswith("user-"):
+            continue
+        step = result["summary"]["step_s"] / plain["summary"]["step_s"]
+        line = f"{result['shape']} {result['kind']} / user: step {step:.3g}x"
+        if result["kind"] == "user-async":
+            longer = max(plain["summary"]["phase_s"]["generate"], plain["summary"]["train_s"] or 0.0)
+            line += f", / max(generate, train) of user {result['summary']['step_s'] / longer:.3g}x"
+        print(line)
     for result in results:
         stock = next(
             (
