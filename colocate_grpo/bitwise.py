@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 ENGINE_ENV = {"VLLM_BATCH_INVARIANT": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 # Where vLLM keeps the mode's kernels: vLLM 0.26 (the GPU's), then newer ones.
 _KERNEL_MODULES = ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant")
-# The tokens the head scores at once: (tokens, vocabulary) fp32 logits, 2.4 GiB at Qwen2.5's 152k.
-HEAD_CHUNK = 4096
+# The tokens the head scores at once: (tokens, vocabulary) fp32 logits, 0.6 GiB at Qwen2.5's 152k, and the
+# log-softmax's and the entropy's temporaries as large (at 4096 tokens, a 1.5B step's peak was 14 GiB above the
+# default's on an H100). The kernels are batch-invariant: the chunk changes no bit.
+HEAD_CHUNK = 1024
 
 
 def engine_arguments(enforce_eager: bool) -> dict[str, Any]:
@@ -266,39 +268,64 @@ class _Attention(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+def stacked_weight(
+    bases: list[torch.Tensor], scalings: tuple[float | None, ...], factors: list[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight a stack of layers computes with (vLLM's merged q/k/v or gate/up), their rows one after another:
+    each frozen layer's base weight, each merge-aware LoRA layer's ``cast(W_i + s_i B_i A_i)`` (the weight the engine
+    serves). ``scalings``: each layer's LoRA scaling, None without LoRA; ``factors``: A, B of the LoRA layers in
+    order. Shape (sum of the layers' out features, in features), in ``dtype``."""
+    from colocate_grpo.lora import merged_weight
+
+    weight = torch.empty(sum(w.shape[0] for w in bases), bases[0].shape[1], dtype=dtype, device=bases[0].device)
+    pairs = iter(zip(factors[::2], factors[1::2], strict=True))
+    start = 0
+    with torch.no_grad():
+        for base, scaling in zip(bases, scalings, strict=True):
+            rows = weight[start : start + base.shape[0]]
+            if scaling is None:
+                rows.copy_(base)
+            else:
+                merged_weight(base, *next(pairs), scaling, dtype, out=rows)
+            start += base.shape[0]
+    return weight
+
+
 class _LoraLinear(torch.autograd.Function):
-    """``x @ W^T + b`` by vLLM's batch-invariant matmul, where W stacks the weights of one or more layers (vLLM's
-    merged q/k/v or gate/up): merge-aware LoRA layers' ``cast(W_i + s_i B_i A_i)``, frozen layers' own.
+    """``x @ W^T + b`` by vLLM's batch-invariant matmul, W the :func:`stacked_weight` of frozen base weights and
+    merge-aware LoRA layers.
 
     The backward is merge-aware LoRA's (:class:`colocate_grpo.lora._MergeAwareLinear`): each A_i and B_i get their
-    gradient straight through the cast, in low rank, never forming the (out, in) dL/dW. ``layout`` holds each
-    layer's (rows of W, LoRA scaling or None for a frozen layer); ``factors`` A_1, B_1, A_2, B_2, ... of the LoRA
-    layers in order.
+    gradient straight through the cast, in low rank, never forming the (out, in) dL/dW; W is built again rather than
+    kept from the forward (all of a model's weights, over a forward). ``factors``: A_1, B_1, A_2, B_2, ... of the
+    LoRA layers in order.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kernel, layout, *factors):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x, weight, *factors)
-        ctx.layout = layout
-        return kernel(x, weight, bias)
+    def forward(ctx, x, bias, kernel, bases, scalings, dtype, *factors):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, *factors)
+        ctx.bases, ctx.scalings, ctx.dtype = bases, scalings, dtype
+        return kernel(x, stacked_weight(bases, scalings, factors, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
-        x, weight, *factors = ctx.saved_tensors
+        x, *factors = ctx.saved_tensors
         flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_b = flat_grad.sum(0) if ctx.needs_input_grad[2] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ stacked_weight(ctx.bases, ctx.scalings, factors, ctx.dtype)
+        grad_b = flat_grad.sum(0) if ctx.needs_input_grad[1] else None
         pairs = iter(zip(factors[::2], factors[1::2], strict=True))
         grad_factors, start = [], 0
-        for rows, scaling in ctx.layout:
+        for base, scaling in zip(ctx.bases, ctx.scalings, strict=True):
             if scaling is not None:
                 lora_A, lora_B = next(pairs)
-                g = flat_grad[:, start : start + rows]
+                g = flat_grad[:, start : start + base.shape[0]]
                 # dL/dA = s (G B)^T X and dL/dB = s G^T (X A^T), in the compute dtype with fp32 accumulation.
                 grad_factors.append(((g @ lora_B.to(g.dtype)).T @ flat_x).float().mul_(scaling).to(lora_A.dtype))
                 grad_factors.append((g.T @ (flat_x @ lora_A.to(x.dtype).T)).float().mul_(scaling).to(lora_B.dtype))
-            start += rows
-        return grad_x, None, grad_b, None, None, *grad_factors
+            start += base.shape[0]
+        return grad_x, grad_b, None, None, None, None, *grad_factors
 
 
 class _HeadLogProbs(torch.autograd.Function):
@@ -464,22 +491,10 @@ def merged_linear(x: torch.Tensor, modules: list[torch.nn.Module], kernels: Kern
         weights = [b.weight for b in bases]
         weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         return _Linear.apply(x, weight, bias, kernels.linear)
-    from colocate_grpo.lora import merged_weight
-
     dtype = next(m.merge_dtype for m, f in zip(modules, factors, strict=True) if f is not None)
-    weight = torch.empty(sum(b.weight.shape[0] for b in bases), bases[0].weight.shape[1], dtype=dtype, device=x.device)
-    start = 0
-    with torch.no_grad():
-        for base, lora in zip(bases, factors, strict=True):
-            rows = weight[start : start + base.weight.shape[0]]
-            if lora is None:
-                rows.copy_(base.weight)
-            else:
-                merged_weight(base.weight, *lora, dtype, out=rows)
-            start += base.weight.shape[0]
-    layout = tuple((b.weight.shape[0], None if f is None else f[2]) for b, f in zip(bases, factors, strict=True))
+    scalings = tuple(None if f is None else f[2] for f in factors)
     tensors = [t for f in factors if f is not None for t in f[:2]]
-    return _LoraLinear.apply(x, weight, bias, kernels.linear, layout, *tensors)
+    return _LoraLinear.apply(x, bias, kernels.linear, [b.weight for b in bases], scalings, dtype, *tensors)
 
 
 def _norm(x: torch.Tensor, module: torch.nn.Module, kernels: Kernels) -> torch.Tensor:

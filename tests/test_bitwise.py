@@ -360,14 +360,13 @@ def test_the_stacked_lora_linear_gives_a_and_b_the_gradient_straight_through_the
         torch.randn(*shape, dtype=d, requires_grad=True) for shape in ((3, 8), (6, 3), (3, 8), (2, 3))
     )
     stacked = torch.cat([weights[0] + 0.5 * b_q @ a_q, weights[1], weights[2] + 2.0 * b_v @ a_v])
-    layout = ((6, 0.5), (2, None), (2, 2.0))
-    out = bitwise._LoraLinear.apply(x, stacked.detach(), bias, F.linear, layout, a_q, b_q, a_v, b_v)
+    out = bitwise._LoraLinear.apply(x, bias, F.linear, weights, (0.5, None, 2.0), d, a_q, b_q, a_v, b_v)
     grad = torch.randn_like(out)
     inputs = (x, a_q, b_q, a_v, b_v)
     got = torch.autograd.grad(out, inputs, grad)
     want = torch.autograd.grad(F.linear(x, stacked, bias), inputs, grad)
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # the merge accumulates in fp32 on a CPU
 
 
 def test_the_packed_forward_gives_merge_aware_lora_the_gradients_of_the_models_own_forward():
