@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from colocate_grpo.lora import MergeAwareLoraLinear, lora_factors, lora_gradients, merged_weight
+
 logger = logging.getLogger(__name__)
 
 # vLLM's switch, and the V1 model runner (its sampler's log-softmax is the overridden torch op). Read by vLLM when
@@ -275,8 +277,6 @@ def stacked_weight(
     each frozen layer's base weight, each merge-aware LoRA layer's ``cast(W_i + s_i B_i A_i)`` (the weight the engine
     serves). ``scalings``: each layer's LoRA scaling, None without LoRA; ``factors``: A, B of the LoRA layers in
     order. Shape (sum of the layers' out features, in features), in ``dtype``."""
-    from colocate_grpo.lora import merged_weight
-
     weight = torch.empty(sum(w.shape[0] for w in bases), bases[0].shape[1], dtype=dtype, device=bases[0].device)
     pairs = iter(zip(factors[::2], factors[1::2], strict=True))
     start = 0
@@ -295,7 +295,7 @@ class _LoraLinear(torch.autograd.Function):
     """``x @ W^T + b`` by vLLM's batch-invariant matmul, W the :func:`stacked_weight` of frozen base weights and
     merge-aware LoRA layers.
 
-    The backward is merge-aware LoRA's (:class:`colocate_grpo.lora._MergeAwareLinear`): each A_i and B_i get their
+    The backward is merge-aware LoRA's (:func:`colocate_grpo.lora.lora_gradients`): each A_i and B_i get their
     gradient straight through the cast, in low rank, never forming the (out, in) dL/dW; W is built again rather than
     kept from the forward (all of a model's weights, over a forward). ``factors``: A_1, B_1, A_2, B_2, ... of the
     LoRA layers in order.
@@ -319,11 +319,8 @@ class _LoraLinear(torch.autograd.Function):
         grad_factors, start = [], 0
         for base, scaling in zip(ctx.bases, ctx.scalings, strict=True):
             if scaling is not None:
-                lora_A, lora_B = next(pairs)
-                g = flat_grad[:, start : start + base.shape[0]]
-                # dL/dA = s (G B)^T X and dL/dB = s G^T (X A^T), in the compute dtype with fp32 accumulation.
-                grad_factors.append(((g @ lora_B.to(g.dtype)).T @ flat_x).float().mul_(scaling).to(lora_A.dtype))
-                grad_factors.append((g.T @ (flat_x @ lora_A.to(x.dtype).T)).float().mul_(scaling).to(lora_B.dtype))
+                rows = flat_grad[:, start : start + base.shape[0]]
+                grad_factors.extend(lora_gradients(rows, flat_x, *next(pairs), scaling))
             start += base.shape[0]
         return grad_x, grad_b, None, None, None, None, *grad_factors
 
@@ -467,8 +464,6 @@ def lora_factors_of(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor
     Raises:
         RuntimeError: for a LoRA layer that is not merge-aware (its forward is not the weight the engine serves).
     """
-    from colocate_grpo.lora import MergeAwareLoraLinear, lora_factors
-
     if isinstance(module, MergeAwareLoraLinear):
         return lora_factors(module)
     if hasattr(module, "base_layer"):

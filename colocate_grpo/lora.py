@@ -163,6 +163,23 @@ class FactorsKey:
         return self.value is None or self._read() != self.value
 
 
+def lora_gradients(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    lora_A: torch.Tensor,
+    lora_B: torch.Tensor,
+    scaling: float,
+    need_A: bool = True,
+    need_B: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dL/dA = s (G B)^T X and dL/dB = s G^T (X A^T) of a layer computing x @ (W + s B A)^T, in low rank: never the
+    (out, in) dL/dW. ``grad`` G (tokens, out) and ``x`` X (tokens, in) in the compute dtype; the GEMMs run in it with
+    fp32 accumulation (PEFT's precision under autocast), the results in A's and B's dtypes (None where not needed)."""
+    grad_A = ((grad @ lora_B.to(grad.dtype)).T @ x).float().mul_(scaling).to(lora_A.dtype) if need_A else None
+    grad_B = (grad.T @ (x @ lora_A.to(x.dtype).T)).float().mul_(scaling).to(lora_B.dtype) if need_B else None
+    return grad_A, grad_B
+
+
 class _MergeAwareLinear(torch.autograd.Function):
     """y = x @ cast(W + s B A)^T + b, with dL/dA and dL/dB taken as if the cast were the identity.
 
@@ -183,7 +200,7 @@ class _MergeAwareLinear(torch.autograd.Function):
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         x, weight, lora_A, lora_B = ctx.saved_tensors
         s, dtype = ctx.scaling, ctx.dtype
-        grad_x = grad_A = grad_B = grad_bias = None
+        grad_x = grad_bias = None
         # GEMMs in the compute dtype with fp32 accumulation, as PEFT's LoRA runs under autocast: casting
         # the (tokens, features) activations and gradients to fp32 would cost more than the matmuls.
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
@@ -191,10 +208,9 @@ class _MergeAwareLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             merged = merged_weight(weight, lora_A, lora_B, s, dtype)
             grad_x = (flat_grad @ merged).reshape(x.shape).to(x.dtype)
-        if ctx.needs_input_grad[3]:  # dL/dA = s * (G B)^T X
-            grad_A = ((flat_grad @ lora_B.to(dtype)).T @ flat_x).float().mul_(s).to(lora_A.dtype)
-        if ctx.needs_input_grad[4]:  # dL/dB = s * G^T (X A^T)
-            grad_B = (flat_grad.T @ (flat_x @ lora_A.to(dtype).T)).float().mul_(s).to(lora_B.dtype)
+        grad_A, grad_B = lora_gradients(
+            flat_grad, flat_x, lora_A, lora_B, s, ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        )
         if ctx.needs_input_grad[2]:
             grad_bias = flat_grad.float().sum(0).to(ctx.bias_dtype)
         return grad_x, None, grad_bias, grad_A, grad_B, None, None
