@@ -254,8 +254,7 @@ class AsyncColocatedGeneration(ColocatedGeneration):
         rollout = Rollout(upcoming.prompt_ids, upcoming.num_generations, self._served())
         if torch.cuda.is_available() and not self.llm.cpu:
             # The highest priority there is (CUDA clamps a lower number to it): a decode step is many short kernels
-            # that would otherwise queue behind the training's long matmuls for the GPU's SMs (on an H100, at the
-            # default priority, both phases slowed down by more than the overlap saved).
+            # that would otherwise queue behind the training's long matmuls for the GPU's SMs.
             self._stream = self._stream or torch.cuda.Stream(priority=-100)
             self._stream.wait_stream(torch.cuda.current_stream())  # the sync's writes into the LoRA slot first
         rollout.thread = threading.Thread(
