@@ -56,6 +56,19 @@ _KERNEL_MODULES = ("vllm.model_executor.layers.batch_invariant", "vllm.model_exe
 # log-softmax's and the entropy's temporaries as large (at 4096 tokens, a 1.5B step's peak was 14 GiB above the
 # default's on an H100). The kernels are batch-invariant: the chunk changes no bit.
 HEAD_CHUNK = 1024
+# A decode step multiplies a few rows by each weight. vLLM's tiles of 128 x 128 outputs leave most of the GPU idle
+# there (a 1536-wide layer is 12 tiles, on an H100's 132 SMs) while the step reads every weight. Rows up to
+# DECODE_ROWS get tiles of DECODE_TILES instead: each output still sums its K in the same BLOCK_SIZE_K steps of the
+# same instruction, so the bits are vLLM's (checked at start, :func:`patch_decode_tiles`).
+DECODE_ROWS = 128
+DECODE_TILES = {
+    "BLOCK_SIZE_M": 64,
+    "BLOCK_SIZE_N": 32,
+    "BLOCK_SIZE_K": 64,
+    "GROUP_SIZE_M": 8,
+    "num_stages": 4,
+    "num_warps": 4,
+}
 
 
 def engine_arguments(enforce_eager: bool) -> dict[str, Any]:
@@ -94,6 +107,7 @@ def prepare_process() -> None:
     kernels = kernel_module()
     kernels.init_batch_invariance()
     patch_engine(kernels)
+    patch_decode_tiles(kernels)
     major, minor = torch.cuda.get_device_capability()
     if major != 9:
         logger.warning(
@@ -128,6 +142,47 @@ def patch_engine(kernels: Any) -> None:
     rms_norm.colocate_grpo = True  # type: ignore[attr-defined]
     rms_norm.triton_rms_norm = triton_rms_norm  # type: ignore[attr-defined]
     layernorm.rms_norm_batch_invariant = rms_norm
+
+
+def patch_decode_tiles(kernels: Any) -> bool:
+    """Route matmuls of up to :data:`DECODE_ROWS` bf16 rows to :data:`DECODE_TILES`, engine and trainer alike,
+    where they give vLLM's own tiles' bits on this GPU (checked here on a (256, 1536) x (1536, 1024) product and its
+    first 64 rows); else leave vLLM's. vLLM's ``matmul_batch_invariant`` looks ``matmul_persistent`` up in its
+    module at each call. Returns whether the decode tiles are in use.
+    """
+    original = kernels.matmul_persistent
+    if getattr(original, "colocate_grpo", False):
+        return True
+
+    def small_tiles(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows, width = a.shape[0], b.shape[1]
+        out = torch.empty((rows, width), device=a.device, dtype=a.dtype)
+        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        tiles = -(-rows // DECODE_TILES["BLOCK_SIZE_M"]) * -(-width // DECODE_TILES["BLOCK_SIZE_N"])
+        kernels.matmul_kernel_persistent[(min(sms, tiles),)](
+            a, b, out, bias, rows, width, a.shape[1],
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+            NUM_SMS=sms, A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=out.numel() > 2**31,
+            HAS_BIAS=bias is not None, **DECODE_TILES,
+        )  # fmt: skip
+        return out
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(256, 1536, device="cuda", generator=generator).bfloat16()
+    b = (torch.randn(1024, 1536, device="cuda", generator=generator) / 40).bfloat16().t()
+    vllms = original(a, b)
+    if not (torch.equal(small_tiles(a, b), vllms) and torch.equal(small_tiles(a[:64], b), vllms[:64])):
+        logger.warning("trl.vllm_bitwise_logprobs: decode steps keep vLLM's matmul tiles (smaller ones differ here).")
+        return False
+
+    def matmul_persistent(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if a.shape[0] <= DECODE_ROWS and a.dtype == torch.bfloat16:
+            return small_tiles(a, b, bias)
+        return original(a, b, bias)
+
+    matmul_persistent.colocate_grpo = True  # type: ignore[attr-defined]
+    kernels.matmul_persistent = matmul_persistent
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------------
