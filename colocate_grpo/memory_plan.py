@@ -52,6 +52,10 @@ _BACKWARD_WORKING = 0.3
 # TRL's fused head scores a micro-batch's completion tokens in tiles of this many tokens and vocabulary entries
 # (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE).
 _HEAD_TILE_TOKENS, _HEAD_TILE_VOCAB = 4096, 32768
+# The bitwise mode's head (colocate_grpo.bitwise) scores its chunk of tokens over the whole vocabulary as vLLM's
+# sampler does: the logits in bf16 and fp32, their log-softmax and its exp in fp32 (and in the backward the fp32
+# gradient with its bf16 cast), about 16 bytes a logit at its peak.
+_BITWISE_HEAD_BYTES_PER_LOGIT = 16
 # Merged serving on a shared base records what each merge overwrote (colocate_grpo.lora.merge_in_place): a byte per
 # merged weight, and 10 for each weight whose change needs more. Room for 2% of them, where a long run's are far fewer;
 # the merge kernels allocate this room for each weight (lora.outlier_capacity).
@@ -384,13 +388,14 @@ def training_activation_bytes(
     completion_tokens: int,
     gradient_checkpointing: bool,
     fp32_head: bool,
+    bitwise: bool = False,
 ) -> int:
     """Training's activations for one micro-batch at their peak, in the backward pass, in bytes.
 
     What a decoder layer keeps for its backward, per token (:func:`layer_activation_bytes`), for every layer,
     or with gradient checkpointing each layer's input and one layer's worth recomputed; the backward of the
     layer it is in adds its gradients' working memory (``_BACKWARD_WORKING``). The head adds its own
-    (:func:`head_bytes`).
+    (:func:`head_bytes`; ``bitwise``: the bitwise log-probabilities mode's head).
     """
     tokens = micro_batch * sequence_tokens
     layer = tokens * layer_activation_bytes(shape, dtype)
@@ -398,7 +403,9 @@ def training_activation_bytes(
         kept = tokens * shape.layers * shape.hidden_size * dtype.itemsize + layer
     else:
         kept = shape.layers * layer
-    return int(kept + _BACKWARD_WORKING * layer) + head_bytes(shape, dtype, micro_batch * completion_tokens, fp32_head)
+    return int(kept + _BACKWARD_WORKING * layer) + head_bytes(
+        shape, dtype, micro_batch * completion_tokens, fp32_head, bitwise
+    )
 
 
 def layer_activation_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
@@ -411,15 +418,22 @@ def layer_activation_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
     return (7 * shape.hidden_size + 4 * shape.intermediate_size) * dtype.itemsize + 4 * shape.hidden_size
 
 
-def head_bytes(shape: ModelShape, dtype: torch.dtype, completion_tokens: int, fp32_head: bool) -> int:
+def head_bytes(
+    shape: ModelShape, dtype: torch.dtype, completion_tokens: int, fp32_head: bool, bitwise: bool = False
+) -> int:
     """The trainer's head's working memory for a micro-batch of ``completion_tokens`` tokens, in bytes.
 
     TRL's fused head never holds the completion's logits: it scores them a tile at a time
     (``_HEAD_TILE_TOKENS`` x ``_HEAD_TILE_VOCAB``), in the model's dtype. The fp32 head
     (``trl.cast_lm_head_to_fp32``, :mod:`colocate_grpo.head`) computes its tile in fp32 from an
     fp32 copy of one vocabulary tile of the head's weights, and keeps the completion's hidden
-    states and their gradient in fp32.
+    states and their gradient in fp32. The bitwise mode's head scores ``bitwise.HEAD_CHUNK`` tokens at a time over
+    the whole vocabulary (``_BITWISE_HEAD_BYTES_PER_LOGIT``).
     """
+    if bitwise:
+        from colocate_grpo.bitwise import HEAD_CHUNK
+
+        return min(completion_tokens, HEAD_CHUNK) * shape.vocab_size * _BITWISE_HEAD_BYTES_PER_LOGIT
     vocab_tile = min(shape.vocab_size, _HEAD_TILE_VOCAB)
     if not fp32_head:
         return min(completion_tokens, _HEAD_TILE_TOKENS) * vocab_tile * dtype.itemsize

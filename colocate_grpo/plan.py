@@ -535,6 +535,7 @@ def _derive(
                 args.max_completion_length,
                 training.gradient_checkpointing,
                 fp32_head,
+                bitwise,
             ),
             free=memory.free,
             total=memory.total,

@@ -159,6 +159,17 @@ def test_the_fp32_head_adds_its_working_memory_to_the_activations():
     assert fp32.generation_peak == bf16.generation_peak  # the engine's fp32 logits are in its runtime margin
 
 
+def test_the_bitwise_modes_head_adds_its_chunk_of_whole_vocabulary_logits_to_the_activations():
+    raw = {"micro_batch_size": 64, "trl": {"max_completion_length": 256}}
+    default = gpu_plan(load_config(raw), free=80 * GIB, total=80 * GIB)
+    raw["trl"]["vllm_bitwise_logprobs"] = True
+    bitwise = gpu_plan(load_config(raw), free=80 * GIB, total=80 * GIB)
+    trl_tile = 4096 * 32768 * 2  # TRL's fused head: 4096 of the 64 x 256 completion tokens, 32768 entries at a time
+    chunk = 1024 * 151936 * 16  # 1024 tokens over the whole vocabulary: bf16 and fp32 logits, log-softmax and exp
+    assert bitwise.activations - default.activations == chunk - trl_tile
+    assert bitwise.generation_peak == default.generation_peak
+
+
 def test_a_merge_record_the_device_cannot_hold_goes_to_host_memory_where_it_fits():
     config = load_config({})
     merged_weights = 1536 * 1536 + 8960 * 1536
