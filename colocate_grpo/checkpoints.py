@@ -109,7 +109,9 @@ def save_checkpoint(trainer: Any, trial: Any, save: Callable[[], None]) -> None:
     if not args.should_save:
         return
     config = getattr(trainer, "run_config", None)
-    settings = run_settings(config, trainer.plan.serving.value) if config is not None else None
+    # The config's serving, as a resume reads it: a 4-bit base is "4-bit base + adapter" whether the plan kept its
+    # codes or its NF4 values in bf16 (the same model either way).
+    settings = run_settings(config, serving_mode(config)) if config is not None else None
     seal_checkpoint(folder, trainer.state.global_step, settings)
     if limit:
         rotate_checkpoints(

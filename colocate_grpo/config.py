@@ -214,8 +214,9 @@ class Config:
     load_in_4bit: bool = field(
         default=False,
         metadata={
-            "help": "bitsandbytes NF4 base (QLoRA, GPUs): vLLM quantizes the checkpoint as it loads, the trainer "
-            "computes with the engine's 4-bit weights (one copy), and vLLM serves the adapter on them."
+            "help": "bitsandbytes NF4 base (QLoRA), the adapter served by vLLM: where the device has room for the "
+            "base in bf16 (and on a CPU), its NF4 values kept in bf16 on bf16 kernels; else vLLM quantizes the "
+            "checkpoint as it loads and the trainer computes with the engine's 4-bit weights (one copy)."
         },
     )
     load_in_8bit: bool = field(

@@ -34,11 +34,6 @@ def resolve_device(config: Config) -> str:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("'device: cuda' but no CUDA GPU is visible. Use 'device: auto' or 'device: cpu'.")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
-    if config.load_in_4bit and device != "cuda":
-        raise ConfigError(
-            "'load_in_4bit: true' needs a CUDA GPU: vLLM quantizes with bitsandbytes on GPUs only. Remove it to train "
-            "a bf16 base on the CPU."
-        )
     if config.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError(
             "'load_in_4bit: true' needs bitsandbytes, which is not installed: pip install -e \".[quant]\" (or pip "
@@ -332,7 +327,9 @@ def load_model(config: Config, plan: RunPlan, path: str) -> PreTrainedModel:
 
     A base the engine will share (``plan.shared_base``) is left in host memory; the trainer moves the
     model once its base weights are the engine's. A 4-bit base is not loaded at all: its layers hold
-    nothing until they become views of the engine's NF4 weights (:mod:`colocate_grpo.quantized`).
+    nothing until they become views of the engine's NF4 weights (:mod:`colocate_grpo.quantized`); or, where the
+    plan keeps its NF4 values in bf16, the checkpoint is loaded and its linear weights rounded to them
+    (:mod:`colocate_grpo.nf4`).
     """
     if plan.serving is Serving.QUANTIZED_BASE:
         from colocate_grpo.quantized import empty_4bit_model
@@ -353,6 +350,10 @@ def load_model(config: Config, plan: RunPlan, path: str) -> PreTrainedModel:
             ) from None
         # A base the engine will share stays in host memory: the trainer then takes the engine's copy and
         # moves the rest, so the device never holds the base twice (colocate_grpo.shared_base).
+        if plan.nf4_values:
+            from colocate_grpo.nf4 import round_linears_to_nf4
+
+            round_linears_to_nf4(model)
         if not plan.shared_base:
             model.to(plan.device)
     if not plan.serving.lora:

@@ -39,6 +39,7 @@ from colocate_grpo.memory_plan import (
     training_bytes,
     weight_bytes,
 )
+from colocate_grpo.nf4 import BLOCK_SIZE as NF4_BLOCK_SIZE
 from colocate_grpo.on_policy import scores_in_training_forward, trl_scores_old_logprobs
 from colocate_grpo.serving import AsyncMode, Serving
 from colocate_grpo.training_plan import TrainingPlan, fitting_training
@@ -66,9 +67,11 @@ class EngineSpec:
         memory_fraction, kv_cache_bytes: vLLM's ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (None: vLLM
             sizes the cache from the fraction).
         batch_invariant: vLLM's batch-invariant mode, whose kernels the trainer's forward shares
-        full_length_sequences: where the device has no room for the whole batch's KV cache at full length, how
-            many sequences at full length the smaller cache holds (vLLM queues the rest); None: the whole batch
             (``trl.vllm_bitwise_logprobs``, :mod:`colocate_grpo.bitwise`).
+        full_length_sequences: where the device has no room for the whole batch's KV cache at full length, how
+            many sequences at full length the smaller cache holds (vLLM queues the rest); None: the whole batch.
+        nf4_values: the engine computes in ``dtype`` with a 4-bit base's NF4 values, which the trainer writes into
+            its weights (:mod:`colocate_grpo.nf4`); its linear weights are not the checkpoint's.
     """
 
     model_path: str
@@ -85,6 +88,7 @@ class EngineSpec:
     seed: int
     batch_invariant: bool = False
     full_length_sequences: int | None = None
+    nf4_values: bool = False
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -98,6 +102,7 @@ class EngineSpec:
             "quantization": self.quantization,
             # Only where on: other engines' identities (and plan.yaml) stay as they were.
             **({"trl.vllm_bitwise_logprobs": True} if self.batch_invariant else {}),
+            **({"load_in_4bit": "NF4 values in bf16"} if self.nf4_values else {}),
         }
 
     def differences(self, wanted: EngineSpec) -> str:
@@ -180,6 +185,9 @@ class RunPlan:
         memory: the device memory plan on a GPU, else None.
         asynchronous: asynchronous generation's settings, or None: generate, then train.
         bitwise: the bitwise log-probabilities mode's settings, or None: the kernels of each side's own choosing.
+        nf4_values: a 4-bit base (``load_in_4bit``) kept as its NF4 values in bf16, where the device has room for
+            them: the model QLoRA trains, on bf16 kernels (:mod:`colocate_grpo.nf4`); the serving is then the
+            adapter's on that base. False: the NF4 codes themselves (``Serving.QUANTIZED_BASE``), or no 4-bit base.
     """
 
     device: str
@@ -192,6 +200,7 @@ class RunPlan:
     memory: MemoryPlan | None
     asynchronous: AsyncMode | None = None
     bitwise: BitwiseMode | None = None
+    nf4_values: bool = False
 
     @property
     def merge_record_in_host_memory(self) -> bool:
@@ -225,6 +234,12 @@ class RunPlan:
             lines.append(f"Generation: {self.asynchronous.describe()}")
         if self.bitwise is not None:
             lines.append(self.bitwise.describe())
+        if self.nf4_values:
+            lines.append(
+                "4-bit base: its NF4 values (QLoRA's: each linear weight but the head's rounded to NF4 in blocks of "
+                f"{NF4_BLOCK_SIZE}) kept in {engine.dtype}, as the device has room for them: trained and served with "
+                f"{engine.dtype} kernels, which generate faster than vLLM's NF4 ones."
+            )
         lines.append(self.training.describe())
         if self.memory is not None:
             lines.append(self.memory.summary())
@@ -250,6 +265,7 @@ class RunPlan:
             # Only where the run generates asynchronously: a sequential run's plan.yaml stays as it was.
             **({} if self.asynchronous is None else {"async_generation": dataclasses.asdict(self.asynchronous)}),
             **({} if self.bitwise is None else {"bitwise_logprobs": dataclasses.asdict(self.bitwise)}),
+            **({"nf4_values": True} if self.nf4_values else {}),
         }
 
 
@@ -331,13 +347,13 @@ def plan_run(
     elif serving.lora:
         lora = _Lora(config.lora_r, 0, 0)
     prompt = config.max_prompt_length if longest_prompt is None else min(longest_prompt, config.max_prompt_length)
-    return _derive(
+    derive = functools.partial(
+        _derive,
         args,
         model_path=model_path,
         options=config.vllm,
         device=device,
         dtype=dtype,
-        serving=serving,
         merge_aware=merge_aware_mode(config, dtype),
         shape=shape,
         lora=lora,
@@ -348,6 +364,16 @@ def plan_run(
         asynchronous=AsyncMode(config.max_staleness) if config.async_generation else None,
         bitwise=bool(config.trl.get("vllm_bitwise_logprobs")),
     )
+    if serving is not Serving.QUANTIZED_BASE:
+        return derive(serving=serving)
+    # A 4-bit base: its NF4 values in bf16 where they fit with the same training settings (on a CPU always: vLLM
+    # has no NF4 kernels there), else the codes. The adapter is served either way, as QLoRA trains it.
+    values = derive(serving=Serving.ADAPTER, nf4_values=True)
+    if device != "cuda":
+        return values
+    codes = derive(serving=serving)
+    fits = values.memory is not None and values.memory.fits and values.training == codes.training
+    return values if fits else codes
 
 
 def plan_for_model(
@@ -458,6 +484,7 @@ def _derive(
     smaller_micro_batches: bool,
     asynchronous: AsyncMode | None = None,
     bitwise: bool = False,
+    nf4_values: bool = False,
 ) -> RunPlan:
     """The plan both constructors end in: every derived setting, from explicit inputs.
 
@@ -485,6 +512,7 @@ def _derive(
         seed=args.seed + args.process_index,
         total=memory.total if memory else None,
         batch_invariant=bitwise,
+        nf4_values=nf4_values,
     )
     spec, kv, engine_weights = size_engine()
     bitwise_mode = BitwiseMode(bool(args.vllm_importance_sampling_correction)) if bitwise else None
@@ -510,6 +538,7 @@ def _derive(
             memory=needs,
             asynchronous=asynchronous,
             bitwise=bitwise_mode,
+            nf4_values=nf4_values,
         )
 
     if device != "cuda" or memory is None or shape is None or engine_weights is None:
@@ -612,6 +641,7 @@ def _size_engine(
     seed: int,
     total: int | None,
     batch_invariant: bool = False,
+    nf4_values: bool = False,
     kv_room: int | None = None,
 ) -> tuple[EngineSpec, int | None, int | None]:
     """The engine's spec, its KV cache's bytes and its weights' bytes (None: unknown).
@@ -647,6 +677,7 @@ def _size_engine(
         seed=seed,
         batch_invariant=batch_invariant,
         full_length_sequences=full_length,
+        nf4_values=nf4_values,
     )
     return spec, kv, weights
 

@@ -25,7 +25,7 @@ from colocate_grpo.sync import frozen_base, merged_names
 
 
 @torch.no_grad()
-def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
+def share_base_weights(model: torch.nn.Module, engine: Engine, write_all: bool = False) -> int:
     """Point the trainer's frozen base weights at the engine's parameters and pin those; returns the bytes freed.
 
     A 4-bit base is always shared (:func:`colocate_grpo.quantized.share_4bit_base`: the trainer holds
@@ -34,7 +34,8 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
     weights while its KV cache sleeps (``Engine.can_sleep_kv_cache_alone``), or where some tensor differs from the
     engine's, bitwise: then the two sides do not hold the same weights, and sharing would change
     what is trained. The LoRA layers' base weights are written into the engine first, as a sync
-    would write them: a reused engine may still hold another run's merged weights there.
+    would write them: a reused engine may still hold another run's merged weights there. ``write_all`` writes
+    every base weight: the trainer's are not the checkpoint's that the engine loaded (a 4-bit base's NF4 values).
     """
     if engine.spec.quantization is not None:
         return share_4bit_base(model, engine)
@@ -46,7 +47,7 @@ def share_base_weights(model: torch.nn.Module, engine: Engine) -> int:
         return 0
     engine.wake_up(["weights"])
     lost = engine.state.weights is not Weights.RESIDENT  # a level-2 sleep discarded them: all of the trainer's go in
-    written = set(base) if lost else merged_names(model) & set(base)
+    written = set(base) if lost or write_all else merged_names(model) & set(base)
     # Straight into the views: vLLM's loader no longer knows the Hugging Face names once LoRA wrapped the layers.
     with engine.writing_weights():
         for name in written:

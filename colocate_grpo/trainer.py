@@ -41,7 +41,13 @@ from colocate_grpo.quantized import served_code_mismatches
 from colocate_grpo.rewards import calculate_rewards
 from colocate_grpo.serving import Serving
 from colocate_grpo.shared_base import share_base_weights
-from colocate_grpo.sync import MergedInPlace, merge_into_shared_base, push_weights, served_weight_mismatches
+from colocate_grpo.sync import (
+    MergedInPlace,
+    frozen_base,
+    merge_into_shared_base,
+    push_weights,
+    served_weight_mismatches,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -347,13 +353,15 @@ class ColocateGRPOTrainer(GRPOTrainer):
             engine = build_engine()
             # A merged sync writes into the shared weights: only where the engine computes with them.
             if plan.serving.serves_adapter or engine.writes_in_place:
-                shared_base_bytes = share_base_weights(model, engine)
+                shared_base_bytes = share_base_weights(model, engine, write_all=plan.nf4_values)
             if not shared_base_bytes:
                 logger.warning(
                     "The plan shares the base weights with the engine, but their layouts do not line up: the device "
                     "holds two copies of the base (%s).",
                     plan.serving.describe(shared_base=False),
                 )
+                if plan.nf4_values:  # the engine loaded the checkpoint's weights: it must serve their NF4 values
+                    engine.load_weights(frozen_base(model).items())
         generation = functools.partial(
             self.generation_class,
             engine_factory=lambda _: build_engine(),

@@ -301,14 +301,12 @@ def test_chat_prompts_for_a_tokenizer_without_a_chat_template_exit_2(tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
-def test_a_4bit_base_is_refused_on_the_cpu_and_without_bitsandbytes(monkeypatch):
+def test_a_4bit_base_runs_on_the_cpu_and_is_refused_without_bitsandbytes(monkeypatch):
     from colocate_grpo.models import resolve_device
 
     config = load_config({"load_in_4bit": True})
-    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        resolve_device(config)
-    # A GPU machine where bitsandbytes is missing: refused before any model loads, with the install line.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(config) == "cpu"  # its NF4 values in bf16 (tests/test_nf4.py)
+    # Where bitsandbytes is missing: refused before any model loads, with the install line.
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ConfigError, match=r"needs bitsandbytes.*\[quant\]"):
         resolve_device(config)

@@ -16,6 +16,7 @@ from colocate_grpo.memory_plan import (
     refusal,
 )
 from colocate_grpo.plan import DeviceMemory, plan_run
+from colocate_grpo.serving import Serving
 from colocate_grpo.train import default_config_path, grpo_args
 
 # A Qwen2.5-1.5B-like shape: 28 layers, hidden 1536, 2 KV heads of 128, one linear of each kind per layer.
@@ -116,11 +117,11 @@ def test_cli_check_refuses_a_plan_that_cannot_fit_with_exit_2(tmp_path):
     # A GPU of 1 GiB, as the planner sees it: the tiny model's engine alone needs its runtime's 3 GiB.
     script = f"""
 import sys, torch
+from colocate_grpo.train import main  # imported first: bitsandbytes, where installed, loads its CUDA ops on a GPU
 torch.cuda.is_available = lambda: True
 torch.cuda.is_bf16_supported = lambda *a, **k: True
 torch.cuda.mem_get_info = lambda *a: (2**30, 2**30)
 torch.cuda.set_device = lambda *a: None  # TRL's GRPOConfig picks its device before the plan is made
-from colocate_grpo.train import main
 sys.exit(main(["--check", {str(default_config_path())!r}]))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
@@ -130,13 +131,34 @@ sys.exit(main(["--check", {str(default_config_path())!r}]))
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-def test_a_4bit_base_counts_its_linear_weights_at_nf4_size_once():
+def gpu_run_plan(config: Config, free: int, total: int):
+    return plan_run(
+        config,
+        grpo_args(config, "cpu", torch.bfloat16),
+        model_path="shape-only",
+        device="cuda",
+        dtype=torch.bfloat16,
+        shape=SHAPE,
+        memory=DeviceMemory(free, total),
+    )
+
+
+def test_a_4bit_base_keeps_its_nf4_values_in_bf16_where_they_fit_and_its_codes_where_only_they_fit():
     config = load_config({"load_in_4bit": True})
-    plan = gpu_plan(config, free=80 * GIB, total=80 * GIB)
-    linear = 1536 * 1536 + 8960 * 1536
-    assert plan.engine_weights == 1_500_000_000 * 2 - linear * 2 + int(linear * (0.5 + 4 / 64))
     adapter = 16 * ((1536 + 1536) + (8960 + 1536)) * 4
-    assert plan.trainer_weights == adapter  # the trainer computes with the engine's 4-bit base
+    roomy = gpu_run_plan(config, free=80 * GIB, total=80 * GIB)
+    assert roomy.nf4_values and roomy.serving is Serving.ADAPTER and roomy.engine.quantization is None
+    assert roomy.memory.engine_weights == 1_500_000_000 * 2  # the NF4 values in bf16
+    assert "4-bit base: its NF4 values" in roomy.summary()
+    # A card the bf16 base does not fit beside the rest (SHAPE's two linears save 23 MB in NF4): the NF4 codes,
+    # counted at their size, once.
+    free = roomy.memory.peak - 10 * 2**20
+    small = gpu_run_plan(config, free=free, total=free)
+    assert not small.nf4_values and small.serving is Serving.QUANTIZED_BASE and small.memory.fits
+    linear = 1536 * 1536 + 8960 * 1536
+    assert small.memory.engine_weights == 1_500_000_000 * 2 - linear * 2 + int(linear * (0.5 + 4 / 64))
+    assert small.memory.trainer_weights == adapter  # the trainer computes with the engine's 4-bit base
+    assert "4-bit base: its NF4 values" not in small.summary()
 
 
 def test_the_refusal_offers_the_shared_base_and_a_4bit_base():
