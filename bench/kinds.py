@@ -322,7 +322,9 @@ KINDS: dict[str, Kind] = {
     "user": Kind("user", "build_trainer with the plain config a user writes (every default)", build_user),
     "user-merged": Kind("user-merged", "user + lora_merge_aware: null (PEFT's LoRA, merged)", build_user),
     "user-adapter": Kind("user-adapter", "user + trl.vllm_lora_sync: true (the adapter served)", build_user),
-    "user-4bit": Kind("user-4bit", "user + load_in_4bit: true (one NF4 base, the adapter served)", build_user),
+    "user-4bit": Kind(
+        "user-4bit", "user + load_in_4bit: true (NF4 values in bf16 where they fit, else one NF4 base)", build_user
+    ),
     "user-fp32-head": Kind("user-fp32-head", "user + trl.cast_lm_head_to_fp32: true", build_user),
     "user-no-grouping": Kind("user-no-grouping", "user + group_by_length: false (TRL's padding)", build_user),
     "user-checkpointing": Kind("user-checkpointing", "user + gradient_checkpointing: true", build_user),
