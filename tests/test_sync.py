@@ -25,7 +25,7 @@ def trainer(tmp_path_factory, cpu_gemm_route):
     raw = load_config(default_config_path()).to_dict()
     raw.update(output_dir=str(tmp_path_factory.mktemp("sync")), max_steps=1, micro_batch_size=16)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer_module, "share_base_weights", lambda model, engine: 0)
+        patch.setattr(trainer_module, "share_base_weights", lambda model, engine, **_: 0)
         trainer = build_trainer(load_config(raw))
     with torch.no_grad():  # an adapter with a real update, so merged weights differ from the base
         for name, param in trainer.model.named_parameters():
