@@ -299,7 +299,8 @@ def _adapter_asked(config: Config) -> bool:
 
 
 def serving_of(config: Config, dtype: torch.dtype) -> Serving:
-    """How a run of ``config`` in ``dtype`` is served."""
+    """How a run of ``config`` in ``dtype`` is served, as the config asks: a 4-bit base is ``QUANTIZED_BASE``, which
+    the plan keeps as its NF4 values in bf16, with the adapter served, where they fit (``RunPlan.nf4_values``)."""
     if config.adapter != "lora":
         return Serving.FULL_WEIGHTS
     if config.load_in_4bit:
