@@ -15,7 +15,7 @@ from colocate_grpo.memory_plan import (
     kv_cache_bytes,
     refusal,
 )
-from colocate_grpo.plan import DeviceMemory, plan_run
+from colocate_grpo.plan import DeviceMemory, RunPlan, plan_run
 from colocate_grpo.serving import Serving
 from colocate_grpo.train import default_config_path, grpo_args
 
@@ -32,11 +32,11 @@ SHAPE = ModelShape(
 BYTES_PER_TOKEN = 2 * 28 * 2 * 128 * 2  # keys and values of every layer, bf16
 
 
-def gpu_plan(
+def gpu_run_plan(
     config: Config, free: int, total: int, host_free: int | None = None, longest_prompt: int | None = None
-) -> MemoryPlan:
-    """The memory plan of a run of ``config`` on SHAPE, on a GPU with ``free`` of ``total`` bytes."""
-    plan = plan_run(
+) -> RunPlan:
+    """The run plan of ``config`` on SHAPE, on a GPU with ``free`` of ``total`` bytes."""
+    return plan_run(
         config,
         grpo_args(config, "cpu", torch.bfloat16),
         model_path="shape-only",
@@ -46,7 +46,13 @@ def gpu_plan(
         longest_prompt=longest_prompt,
         memory=DeviceMemory(free, total, host_free),
     )
-    return plan.memory
+
+
+def gpu_plan(
+    config: Config, free: int, total: int, host_free: int | None = None, longest_prompt: int | None = None
+) -> MemoryPlan:
+    """The memory plan of a run of ``config`` on SHAPE, on a GPU with ``free`` of ``total`` bytes."""
+    return gpu_run_plan(config, free, total, host_free, longest_prompt).memory
 
 
 def refused(plan: MemoryPlan, config: Config) -> str:
@@ -129,18 +135,6 @@ sys.exit(main(["--check", {str(default_config_path())!r}]))
     assert "config error: This run needs" in result.stderr and "Fixes:" in result.stderr
     assert "Traceback" not in result.stderr
     assert not list(tmp_path.iterdir())  # nothing written
-
-
-def gpu_run_plan(config: Config, free: int, total: int):
-    return plan_run(
-        config,
-        grpo_args(config, "cpu", torch.bfloat16),
-        model_path="shape-only",
-        device="cuda",
-        dtype=torch.bfloat16,
-        shape=SHAPE,
-        memory=DeviceMemory(free, total),
-    )
 
 
 def test_a_4bit_base_keeps_its_nf4_values_in_bf16_where_they_fit_and_its_codes_where_only_they_fit():
