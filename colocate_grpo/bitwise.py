@@ -33,6 +33,7 @@ Nothing here runs without CUDA: on a CPU the mode is refused before anything loa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -153,11 +154,13 @@ def patch_decode_tiles(kernels: Any) -> bool:
     original = kernels.matmul_persistent
     if getattr(original, "colocate_grpo", False):
         return True
+    # Read once per device, not at every decode step's matmuls.
+    multiprocessors = functools.cache(lambda device: torch.cuda.get_device_properties(device).multi_processor_count)
 
     def small_tiles(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows, width = a.shape[0], b.shape[1]
         out = torch.empty((rows, width), device=a.device, dtype=a.dtype)
-        sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+        sms = multiprocessors(a.device)
         tiles = -(-rows // DECODE_TILES["BLOCK_SIZE_M"]) * -(-width // DECODE_TILES["BLOCK_SIZE_N"])
         kernels.matmul_kernel_persistent[(min(sms, tiles),)](
             a, b, out, bias, rows, width, a.shape[1],

@@ -185,9 +185,6 @@ class RunPlan:
         memory: the device memory plan on a GPU, else None.
         asynchronous: asynchronous generation's settings, or None: generate, then train.
         bitwise: the bitwise log-probabilities mode's settings, or None: the kernels of each side's own choosing.
-        nf4_values: a 4-bit base (``load_in_4bit``) kept as its NF4 values in bf16, where the device has room for
-            them: the model QLoRA trains, on bf16 kernels (:mod:`colocate_grpo.nf4`); the serving is then the
-            adapter's on that base. False: the NF4 codes themselves (``Serving.QUANTIZED_BASE``), or no 4-bit base.
     """
 
     device: str
@@ -200,7 +197,13 @@ class RunPlan:
     memory: MemoryPlan | None
     asynchronous: AsyncMode | None = None
     bitwise: BitwiseMode | None = None
-    nf4_values: bool = False
+
+    @property
+    def nf4_values(self) -> bool:
+        """Whether a 4-bit base (``load_in_4bit``) is kept as its NF4 values in bf16, where the device has room for
+        them: the model QLoRA trains, on bf16 kernels (:mod:`colocate_grpo.nf4`), the adapter served on that base.
+        False: the NF4 codes themselves (``Serving.QUANTIZED_BASE``), or no 4-bit base. The engine's to hold."""
+        return self.engine.nf4_values
 
     @property
     def merge_record_in_host_memory(self) -> bool:
@@ -539,7 +542,6 @@ def _derive(
             memory=needs,
             asynchronous=asynchronous,
             bitwise=bitwise_mode,
-            nf4_values=nf4_values,
         )
 
     if device != "cuda" or memory is None or shape is None or engine_weights is None:
