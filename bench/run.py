@@ -272,12 +272,20 @@ def training_specs(experiment: Experiment, session: Session, shape: str, ranks: 
                 card_gib=experiment.card_gib,
                 learning_rate=experiment.learning_rate,
                 train_seconds=experiment.train_seconds,
-                profile_step=experiment.profile_step,
+                profile_step=profiled_step(experiment),
                 ranks=ranks,
             )
         )
         for kind in experiment.kinds
     }
+
+
+def profiled_step(experiment: Experiment) -> int | None:
+    """The experiment's profiled step, never the last one run: in the last step of an asynchronous run no next
+    batch generates, so a profile of it would show training alone."""
+    if experiment.profile_step is None:
+        return None
+    return max(1, min(experiment.profile_step, experiment.steps - 1))
 
 
 def config_of(spec: dict[str, Any]) -> dict[str, Any]:
