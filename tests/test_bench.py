@@ -111,3 +111,16 @@ def test_an_unsloth_kind_without_unsloth_fails_in_one_line(tmp_path):
         result["failed"].strip().splitlines()[-1].startswith("bench: unsloth needs Unsloth, and import unsloth failed")
     )
     assert "no accelerator here" in result["failed"]
+
+
+def test_a_run_never_profiles_its_last_step():
+    """In an asynchronous run's last step no next batch generates: its profile would show training alone."""
+    from dataclasses import replace
+
+    from run import profiled_step
+
+    experiment = EXPERIMENTS["async"]
+    assert profiled_step(experiment) == experiment.profile_step < experiment.steps
+    assert profiled_step(replace(experiment, steps=5)) == 4
+    assert profiled_step(replace(experiment, steps=1)) == 1
+    assert profiled_step(replace(experiment, profile_step=None)) is None
