@@ -157,10 +157,13 @@ def summary_line(result: dict[str, Any]) -> str:
     if result["kind"] is None:
         return f"{name}: {len(result['metrics'].get('rows', []))} rows"
     summary, memory, mismatch = result["summary"], result["memory"], result["mismatch"]
+    equal = mismatch.get("equal_fraction_min")
+    difference = float("nan") if mismatch["mean"] is None else mismatch["mean"]  # 0.0 where the bits are equal
     return (
         f"{name}: step {summary['step_s']:.3f} s over {summary['steps_run']} steps,{training_phase(summary)} peak "
-        f"{memory['peak_device_gib']:.1f} GiB, mismatch {mismatch['mean'] or float('nan'):.5f}, "
-        f"served == trained {result['served_equals_trained']}"
+        f"{memory['peak_device_gib']:.1f} GiB, mismatch {difference:.5f}"
+        + ("" if equal is None else f" (logprobs equal bit for bit: {equal:.4f} of tokens at the lowest step)")
+        + f", served == trained {result['served_equals_trained']}"
     )
 
 
