@@ -276,7 +276,7 @@ def reference_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 class _Rotary(torch.autograd.Function):
-    """The engine's rotary module (its cos/sin cache and kernel) on copies of q and k; the backward rotates the
+    """The engine's rotary kernel with its cos/sin table on copies of q and k; the backward rotates the
     gradients back (by the negative angles), in fp32."""
 
     @staticmethod
@@ -433,7 +433,8 @@ def _scaled_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, temperature:
 
 @dataclass(frozen=True)
 class Kernels:
-    """The engine's kernels the trainer's forward calls (:func:`engine_kernels`)."""
+    """The engine's kernels the trainer's forward calls (:func:`engine_kernels`); ``cos_sin_cache`` is the trainer's
+    copy of the engine's rotary table."""
 
     linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -445,7 +446,7 @@ class Kernels:
 
 def engine_kernels(llm: Any) -> Kernels:
     """The kernels of the engine ``llm`` (a ``vllm.LLM`` in the mode): vLLM's batch-invariant matmul and RMSNorm,
-    its SiLU-and-mul, the engine's rotary module and its FlashAttention call.
+    its SiLU-and-mul, its rotary kernel (with a copy of the engine's table) and its FlashAttention call.
 
     Raises:
         RuntimeError: where the engine is not in the mode, or attends with another backend than FlashAttention.
@@ -505,13 +506,27 @@ def engine_kernels(llm: Any) -> Kernels:
             fa_version=fa_version,
         )
 
+    from vllm import _custom_ops as ops
+
     rotary = layer.rotary_emb
+    if rotary.use_flashinfer:
+        raise RuntimeError("trl.vllm_bitwise_logprobs: the engine's rotary embedding is FlashInfer's, not vLLM's own.")
+    # The trainer's copy of the engine's cos/sin table. The engine's lives in vLLM's sleep-mode pool with its weights,
+    # and where those are not pinned (full fine-tuning) a level-2 sleep unmaps it while the trainer trains: read
+    # there, the trainer's forward faulted on the device ("illegal memory access").
+    cos_sin_cache = rotary.cos_sin_cache.clone()
+
+    def rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        # vLLM's RotaryEmbedding.forward_cuda: its kernel, in place, with the table in the query's dtype.
+        cache = cos_sin_cache if cos_sin_cache.dtype == q.dtype else cos_sin_cache.to(q.dtype)
+        ops.rotary_embedding(positions, q, k, rotary.head_size, cache, rotary.is_neox_style)
+
     return Kernels(
         linear=kernels.linear_batch_invariant,
         rms_norm=layernorm.rms_norm_batch_invariant.triton_rms_norm,
         silu_and_mul=torch.ops._C.silu_and_mul,
-        rotary=lambda positions, q, k: rotary.forward_cuda(positions, q, k),
-        cos_sin_cache=rotary.cos_sin_cache,
+        rotary=rotate,
+        cos_sin_cache=cos_sin_cache,
         attend=attend,
     )
 
@@ -627,19 +642,18 @@ def causal_lm_log_probs(
     return FusedCausalLMOutput(loss=loss, log_probs=full_lp, entropy=full_entropy, label_mask=scored)
 
 
-def install(model: Any, llm: Any, temperature: float) -> None:
+def install(model: Any, kernels: Kernels, temperature: float) -> None:
     """Compute ``model``'s fused-head forward (TRL's ``model(..., labels=..., fused_lm_head=True)``, with which
-    TRL scores the sampled sequences) with the engine's kernels. ``model`` is the transformers model (for a PEFT
-    model, its base model); its other calls are unchanged.
+    TRL scores the sampled sequences) with the engine's ``kernels`` (its ``bitwise_kernels``). ``model`` is the
+    transformers model (for a PEFT model, its base model); its other calls are unchanged.
 
     Raises:
-        RuntimeError: for a model other than Qwen2/Qwen3, or an engine not in the mode.
+        RuntimeError: for a model other than Qwen2/Qwen3.
     """
     if model.config.model_type not in ("qwen2", "qwen3"):
         raise RuntimeError(
             f"trl.vllm_bitwise_logprobs is built for Qwen2 and Qwen3 models, not {model.config.model_type}."
         )
-    kernels = engine_kernels(llm)
     original = model.forward
 
     def forward(*args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:

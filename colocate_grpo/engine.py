@@ -17,7 +17,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from colocate_grpo import engine_registry, vllm_shims
 from colocate_grpo.engine_registry import launched_ranks, live_engine, shared_engine
 from colocate_grpo.engine_state import EngineState, EngineStateError, Weights
 from colocate_grpo.plan import EngineSpec
+
+if TYPE_CHECKING:
+    from colocate_grpo.bitwise import Kernels
 
 __all__ = [
     "Engine",
@@ -75,6 +78,17 @@ class Engine:
             )
         self._buffers = vllm_shims.SavedBuffers()
         engine_registry.register(self)
+        # The kernels the trainer's forward shares with a batch-invariant engine, taken while its memory is mapped:
+        # they hold a copy of its rotary table, which a level-2 sleep unmaps with the weights.
+        self.bitwise_kernels: Kernels | None = None
+        if spec.batch_invariant:
+            from colocate_grpo.bitwise import engine_kernels
+
+            try:
+                self.bitwise_kernels = engine_kernels(self.llm)
+            except BaseException:
+                self.close()
+                raise
         if spec.quantization is not None:
             self.pin_weights()
 

@@ -386,7 +386,7 @@ class ColocateGRPOTrainer(GRPOTrainer):
         if plan.bitwise is not None:  # TRL's scoring forward, computed with the engine's kernels
             bitwise.install(
                 self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model,
-                self.engine.llm,
+                self.engine.bitwise_kernels,
                 self.temperature,
             )
         self.logp_agreement = LogpAgreement(

@@ -62,7 +62,10 @@ def own_process(request) -> bool:
     if not torch.cuda.is_available() or os.environ.get(OWN_PROCESS) == request.node.nodeid:
         return True
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", request.node.nodeid],
+        # Without the captured output in the report: vLLM's and torch's logs pushed a failure's traceback out of the
+        # report's tail, the part the assertion below shows.
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--show-capture=no", "--tb=short", "-m", ""]
+        + [request.node.nodeid],
         cwd=request.config.rootpath,
         env={**os.environ, OWN_PROCESS: request.node.nodeid},
         capture_output=True,

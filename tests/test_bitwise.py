@@ -484,7 +484,7 @@ def test_on_a_gpu_a_sequences_logprobs_do_not_depend_on_the_rest_of_the_batch(tm
         assert values[0] == values[1]
 
         model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-        kernels = bitwise.engine_kernels(engine.llm)
+        kernels = engine.bitwise_kernels
         tokenizer = trainer.processing_class
         sequences = [tokenizer(text)["input_ids"] + list(alone.token_ids) for text in [prompt, *others]]
         width = max(len(s) for s in sequences)
