@@ -509,17 +509,18 @@ def engine_kernels(llm: Any) -> Kernels:
     from vllm import _custom_ops as ops
 
     rotary = layer.rotary_emb
-    if rotary.use_flashinfer:
+    if getattr(rotary, "use_flashinfer", False):
         raise RuntimeError("trl.vllm_bitwise_logprobs: the engine's rotary embedding is FlashInfer's, not vLLM's own.")
-    # The trainer's copy of the engine's cos/sin table. The engine's lives in vLLM's sleep-mode pool with its weights,
-    # and where those are not pinned (full fine-tuning) a level-2 sleep unmaps it while the trainer trains: read
-    # there, the trainer's forward faulted on the device ("illegal memory access").
-    cos_sin_cache = rotary.cos_sin_cache.clone()
+    # The trainer's copy of the engine's cos/sin table, in the dtype of the queries it rotates (the model's), as
+    # forward_cuda casts it. The engine's lives in vLLM's sleep-mode pool with its weights, and where those are not
+    # pinned (full fine-tuning) a level-2 sleep unmaps it while the trainer trains: read there, the trainer's
+    # forward faulted on the device ("illegal memory access").
+    dtype = llm.llm_engine.vllm_config.model_config.dtype
+    cos_sin_cache = rotary.cos_sin_cache.to(dtype=dtype, copy=True)
 
     def rotate(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        # vLLM's RotaryEmbedding.forward_cuda: its kernel, in place, with the table in the query's dtype.
-        cache = cos_sin_cache if cos_sin_cache.dtype == q.dtype else cos_sin_cache.to(q.dtype)
-        ops.rotary_embedding(positions, q, k, rotary.head_size, cache, rotary.is_neox_style)
+        # vLLM's RotaryEmbedding.forward_cuda: its kernel, in place.
+        ops.rotary_embedding(positions, q, k, rotary.head_size, cos_sin_cache, rotary.is_neox_style)
 
     return Kernels(
         linear=kernels.linear_batch_invariant,
