@@ -645,13 +645,36 @@ class StepRecorder:
                     step["served_equals_trained"] = bool(min(checks))
                 # colocate_grpo's own per-phase clock and merge checks, as the run logged them.
                 own = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/", "async/")
-                step["logged"] = {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
+                # Merged: the run's last on_log (its summary, train_runtime and the like) has none of these.
+                step.setdefault("logged", {}).update(
+                    {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
+                )
                 # Generation on async_generation's worker overlaps the trainer's step, and the trainer may wait for
                 # it outside the calls timed here: its own clock of the training phase is the one to read.
                 if step.get("phases", {}).get("generate", {}).get("background") and "time/train" in logs:
                     step["train_s"] = logs["time/train"]
 
         return Steps()
+
+
+def torch_peaks(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """torch's allocator's peaks over the run, in GiB: ``trainer_peak_allocated_gib`` (tensors) and
+    ``trainer_peak_reserved_gib`` (with the blocks it caches; vLLM's sleep-mode pool is part of both). colocate_grpo
+    logs each phase's (``memory/<phase>/peak_*``, resetting torch's peaks at each phase), so its runs take the largest
+    it logged; a run that logs none (stock TRL, Unsloth) takes torch's peaks since training started."""
+    import torch
+
+    peaks = {}
+    for kind in ("allocated", "reserved"):
+        logged = [
+            v
+            for s in steps
+            for k, v in s.get("logged", {}).items()
+            if k.startswith("memory/") and k.endswith(f"peak_{kind}_gib")
+        ]
+        since_start = getattr(torch.cuda, f"max_memory_{kind}")() / GIB
+        peaks[f"trainer_peak_{kind}_gib"] = max(logged) if logged else since_start
+    return peaks
 
 
 def training_phase_summary(measured: list[dict[str, Any]], device_name: str) -> dict[str, Any]:
@@ -766,7 +789,7 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
             "peak_device_gib": peak,
             # Of a simulated card: the device's used memory counts the allocation that simulates it.
             "card_used_gib": peak - (device_total_gib - spec.card_gib) if cuda and spec.card_gib else None,
-            "trainer_peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+            **(torch_peaks(steps) if cuda else {"trainer_peak_allocated_gib": None, "trainer_peak_reserved_gib": None}),
         },
         "mismatch": mismatch_summary(steps),
         "served_equals_trained": min(checks) if checks else None,
