@@ -572,34 +572,47 @@ def _norm(x: torch.Tensor, module: torch.nn.Module, kernels: Kernels) -> torch.T
 
 def decoder_forward(model: Any, kernels: Kernels, tokens: torch.Tensor, positions: torch.Tensor, cu: Any) -> Any:
     """The last hidden states of the packed ``tokens`` (one row each) through a Qwen2/Qwen3 ``model`` (the
-    transformers ``Qwen2Model``), as the engine computes them. ``cu`` is (cumulative lengths, longest length)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    scale = head_dim**-0.5
-    cu_seqlens, max_len = cu
+    transformers ``Qwen2Model``), as the engine computes them. ``cu`` is (cumulative lengths, longest length).
+
+    A layer with transformers' gradient checkpointing on (``gradient_checkpointing_enable``, TRL's
+    ``gradient_checkpointing``) is checkpointed with its own function: its backward recomputes it, by the same kernels.
+    """
     hidden = model.embed_tokens(tokens)
     residual = None
     for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if residual is None:
-            residual, x = hidden, _norm(hidden, layer.input_layernorm, kernels)
+        step = functools.partial(_decoder_layer, layer, kernels, positions, cu)
+        if layer.gradient_checkpointing and layer.training:
+            hidden, residual = layer._gradient_checkpointing_func(step, hidden, residual)
         else:
-            residual = hidden + residual
-            x = _norm(residual, layer.input_layernorm, kernels)
-        qkv = merged_linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], kernels)
-        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-        q, k, v = (t.reshape(t.shape[0], -1, head_dim) for t in (q, k, v))
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head before the rotary embedding
-            q, k = _norm(q, attn.q_norm, kernels), _norm(k, attn.k_norm, kernels)
-        q, k = _Rotary.apply(positions, q, k, kernels.cos_sin_cache, kernels.rotary)
-        out = _Attention.apply(q, k, v.contiguous(), cu_seqlens, max_len, scale, kernels.attend)
-        hidden = merged_linear(out.reshape(out.shape[0], -1), [attn.o_proj], kernels)
-        residual = hidden + residual
-        x = _norm(residual, layer.post_attention_layernorm, kernels)
-        gate_up = merged_linear(x, [mlp.gate_proj, mlp.up_proj], kernels)
-        hidden = merged_linear(_SiluAndMul.apply(gate_up, kernels.silu_and_mul), [mlp.down_proj], kernels)
+            hidden, residual = step(hidden, residual)
     return _norm(hidden + residual, model.norm, kernels)
+
+
+def _decoder_layer(
+    layer: Any, kernels: Kernels, positions: torch.Tensor, cu: Any, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer as vLLM's: the residual added to the layer's input in its first RMSNorm (the first layer's
+    residual is its input, ``residual`` None), the MLP's output and the residual after it returned apart."""
+    attn, mlp = layer.self_attn, layer.mlp
+    heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    cu_seqlens, max_len = cu
+    if residual is None:
+        residual, x = hidden, _norm(hidden, layer.input_layernorm, kernels)
+    else:
+        residual = hidden + residual
+        x = _norm(residual, layer.input_layernorm, kernels)
+    qkv = merged_linear(x, [attn.q_proj, attn.k_proj, attn.v_proj], kernels)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(t.shape[0], -1, head_dim) for t in (q, k, v))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm of each head before the rotary embedding
+        q, k = _norm(q, attn.q_norm, kernels), _norm(k, attn.k_norm, kernels)
+    q, k = _Rotary.apply(positions, q, k, kernels.cos_sin_cache, kernels.rotary)
+    out = _Attention.apply(q, k, v.contiguous(), cu_seqlens, max_len, head_dim**-0.5, kernels.attend)
+    hidden = merged_linear(out.reshape(out.shape[0], -1), [attn.o_proj], kernels)
+    residual = hidden + residual
+    x = _norm(residual, layer.post_attention_layernorm, kernels)
+    gate_up = merged_linear(x, [mlp.gate_proj, mlp.up_proj], kernels)
+    return merged_linear(_SiluAndMul.apply(gate_up, kernels.silu_and_mul), [mlp.down_proj], kernels), residual
 
 
 def causal_lm_log_probs(

@@ -369,9 +369,11 @@ def test_the_stacked_lora_linear_gives_a_and_b_the_gradient_straight_through_the
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # the merge accumulates in fp32 on a CPU
 
 
-def test_the_packed_forward_gives_merge_aware_lora_the_gradients_of_the_models_own_forward():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "gradient-checkpointing"])
+def test_the_packed_forward_gives_merge_aware_lora_the_gradients_of_the_models_own_forward(checkpointing):
     """Through the whole packed forward, the LoRA factors' gradients are those of the model's own forward (merge-aware
-    LoRA's layers, in fp32 where the merge's cast is the identity)."""
+    LoRA's layers, in fp32 where the merge's cast is the identity); with gradient checkpointing on (as TRL turns it
+    on), each layer's backward recomputes it and the gradients are the same."""
     from peft import LoraConfig, get_peft_model
 
     from colocate_grpo.lora import MergeAwareLoraLinear, install_merge_aware
@@ -388,9 +390,19 @@ def test_the_packed_forward_gives_merge_aware_lora_the_gradients_of_the_models_o
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
     labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
     factors = [p for name, p in model.named_parameters() if "lora_" in name]
+    if checkpointing:  # as TRL's GRPOTrainer turns it on for a PEFT model
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+        model.train()
+    checkpointed = []
+    for layer in model.get_base_model().model.layers:
+        run = layer._gradient_checkpointing_func if checkpointing else None
+        if run is not None:
+            layer._gradient_checkpointing_func = lambda *a, run=run, **k: checkpointed.append(1) or run(*a, **k)
 
     packed = bitwise.causal_lm_log_probs(model.get_base_model(), reference_kernels(base), ids, mask, labels, 1.0)
     got = torch.autograd.grad(packed.log_probs[packed.label_mask].sum(), factors)
+    assert len(checkpointed) == (len(model.get_base_model().model.layers) if checkpointing else 0)
     logp = model(input_ids=ids, attention_mask=mask).logits[:, :-1].log_softmax(-1)
     own = logp.gather(-1, ids[:, 1:, None])[..., 0][mask[:, 1:].bool()].sum()
     want = torch.autograd.grad(own, factors)
