@@ -1,7 +1,7 @@
 """The benchmarks' models, prompts, reward and the plain config a user writes: built locally, no download.
 
 Shapes are Qwen2.5's dimensions (``QWEN25``) and Qwen3 1.7B's (``QWEN3``: q/k norms, heads of 128) with random bf16
-weights and a word-level tokenizer over the vocabulary (``t0`` ... ``tN``); ``tiny`` is colocate_grpo's
+weights and a tokenizer of one token a word (:func:`words_tokenizer`); ``tiny`` is colocate_grpo's
 0.3M-parameter model (the CPU checks). A shape
 ending in ``-sharp`` has its head scaled so that its next-token distributions are as sharp as a trained
 model's; one ending in ``-stops`` ends a completion with about ``STOP_RATE`` a token, so that completions
@@ -10,8 +10,10 @@ have varied lengths, as a trained model's do (see :func:`build_model`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import string
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -70,8 +72,11 @@ DIMENSIONS = QWEN25 | QWEN3
 SHARP = "-sharp"
 SHARP_LOGIT_STD = 8.0
 STOPS = "-stops"
+END_OF_SEQUENCE = "<|endoftext|>"  # token 0 of a shape's tokenizer (words_tokenizer)
+WORD_SPACE = "\u0120"  # a byte-level BPE's space: a word's token is it and the word's letters
+FIRST_WORD_ID = 28  # after the end of sequence, the space and the 26 letters
 STOP_RATE = 0.01  # a -stops model's mean probability of its end-of-sequence token: completions of ~90 tokens of 256
-PROMPT_TOKENS = 32  # words of the word-level tokenizer a prompt has: that many tokens
+PROMPT_TOKENS = 32  # words a prompt has: that many tokens (one a word, :func:`words_tokenizer`)
 PROMPTS = 256
 NUM_GENERATIONS = 8
 GENERATION_BATCH = 64  # sequences generated a step: 8 prompts x 8 generations
@@ -118,17 +123,60 @@ def half_vocabulary_reward(completions: list[str], **_: object) -> list[float]:
 
 
 def benchmark_prompts(model_path: str, count: int = PROMPTS) -> list[str]:
-    """``count`` prompts for the model at ``model_path``: the arithmetic task's on the tiny model, words of
-    the vocabulary on a :func:`build_model` shape (the same every call)."""
+    """``count`` prompts for the model at ``model_path``: the arithmetic task's on the tiny model, on a
+    :func:`build_model` shape ``PROMPT_TOKENS`` words of its vocabulary, one token each (the same every call)."""
     if "tiny" in model_path:
         from colocate_grpo.tasks import arithmetic_dataset
 
         return list(arithmetic_dataset(size=count)["prompt"])
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     rng = random.Random(0)
-    return [" ".join(f"t{rng.randrange(2, vocab)}" for _ in range(PROMPT_TOKENS)) for _ in range(count)]
+
+    def words() -> str:
+        ids = [rng.randrange(FIRST_WORD_ID, len(tokenizer)) for _ in range(PROMPT_TOKENS)]
+        return "".join(token.replace(WORD_SPACE, " ") for token in tokenizer.convert_ids_to_tokens(ids))
+
+    return [words() for _ in range(count)]
+
+
+def words_tokenizer(vocab_size: int) -> Any:
+    """A transformers tokenizer of ``vocab_size`` tokens in which a space and a word of lowercase letters is one token.
+
+    Token 0 is the end of a sequence, 1 to 27 the space and the letters, the rest " a" to " z", " aa" to " zz" and
+    so on (from ``FIRST_WORD_ID``). It is a byte-level BPE built as Qwen2's is (its pre-tokenizer's regex, a byte-level
+    alphabet, merges that build each word from its letters), because transformers loads a Qwen2 or Qwen3 model's
+    tokenizer as ``Qwen2Tokenizer`` whatever class its files name, rebuilding it from the vocabulary and merges with
+    that pre-tokenizer: a word-level tokenizer came back from it as one that drops every unknown piece.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers import models as tokenizer_models
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    vocab = {END_OF_SEQUENCE: 0, WORD_SPACE: 1, **{c: 2 + i for i, c in enumerate(string.ascii_lowercase)}}
+    merges, level = [], [WORD_SPACE]
+    while len(vocab) < vocab_size:  # breadth first: every word of n letters before any of n + 1
+        longer = []
+        for prefix, letter in itertools.product(level, string.ascii_lowercase):
+            if len(vocab) == vocab_size:
+                break
+            vocab[prefix + letter] = len(vocab)
+            merges.append((prefix, letter))
+            longer.append(prefix + letter)
+        level = longer
+    bpe = tokenizer_models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_SEQUENCE, pad_token=END_OF_SEQUENCE)
 
 
 def shape_config(shape: str) -> PretrainedConfig:
@@ -150,11 +198,11 @@ def shape_config(shape: str) -> PretrainedConfig:
 def build_model(shape: str, models: Path) -> str:
     """The directory of ``shape``'s model, built in ``models/<shape>`` unless it is there already.
 
-    A random-weight bf16 Qwen2 (Qwen3 for a ``QWEN3`` shape) with a word-level tokenizer covering its vocabulary;
-    ``tiny`` is colocate_grpo's tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``) has its head scaled so
-    that the logits' standard deviation is ``SHARP_LOGIT_STD``: a random model's next-token distributions are near
-    uniform (entropy 11.2 nats of at most 11.9), a trained model's are sharp, and the head's rounding weighs with the
-    logits' size.
+    A random-weight bf16 Qwen2 (Qwen3 for a ``QWEN3`` shape) with a tokenizer of one token a word
+    (:func:`words_tokenizer`); ``tiny`` is colocate_grpo's tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``)
+    has its head scaled so that the logits' standard deviation is ``SHARP_LOGIT_STD``: a random model's next-token
+    distributions are near uniform (entropy 11.2 nats of at most 11.9), a trained model's are sharp, and the head's
+    rounding weighs with the logits' size.
     A shape ending in ``-stops`` has its end-of-sequence row of the head set (:func:`make_stops`) so that a
     completion ends with probability ``STOP_RATE`` a token: a random model's almost never ends one (1 in 152k a
     token), and every completion would take all 256 tokens.
@@ -167,14 +215,9 @@ def build_model(shape: str, models: Path) -> str:
     if (directory / "config.json").exists():
         return str(directory)
     import torch
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tokenizer_models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
-    vocab = {f"t{i}": i for i in range(DIMENSIONS[base_shape(shape)]["vocab_size"])}
-    word_level = Tokenizer(tokenizer_models.WordLevel(vocab=vocab, unk_token="t1"))
-    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="t0", pad_token="t0", unk_token="t1")
+    tokenizer = words_tokenizer(DIMENSIONS[base_shape(shape)]["vocab_size"])
     config = shape_config(shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

@@ -124,3 +124,23 @@ def test_a_run_never_profiles_its_last_step():
     assert profiled_step(replace(experiment, steps=5)) == 4
     assert profiled_step(replace(experiment, steps=1)) == 1
     assert profiled_step(replace(experiment, profile_step=None)) is None
+
+
+def test_a_shapes_prompts_are_one_token_a_word_as_transformers_loads_its_tokenizer(tmp_path):
+    """transformers loads a Qwen2 or Qwen3 model's tokenizer as ``Qwen2Tokenizer``, rebuilt from its vocabulary and
+    merges: through it, each benchmark prompt is ``PROMPT_TOKENS`` tokens, and sampled tokens decode to words that
+    tokenize back to them (the reward reads the words)."""
+    from transformers import AutoTokenizer, Qwen2Config
+    from workload import FIRST_WORD_ID, PROMPT_TOKENS, benchmark_prompts, words_tokenizer
+
+    Qwen2Config(vocab_size=4096, hidden_size=64, num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    words_tokenizer(4096).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tokenizer) == 4096
+    assert {len(tokenizer(prompt)["input_ids"]) for prompt in benchmark_prompts(str(tmp_path), count=16)} == {
+        PROMPT_TOKENS
+    }
+    sampled = list(range(FIRST_WORD_ID, 4096, 37))
+    text = tokenizer.decode(sampled)
+    assert len(text.split()) == len(sampled)
+    assert tokenizer(text)["input_ids"] == sampled
