@@ -69,7 +69,7 @@ def memory_plan(
         config = load_config(raw)
         args = grpo_args(config, "cpu", torch.bfloat16)  # the GPU run's settings; the plan is told the device
     card = int(card_gib * GIB)
-    # The benchmark's prompts are PROMPT_TOKENS words of the word-level tokenizer: that many tokens each.
+    # The benchmark's prompts are PROMPT_TOKENS words, one token each.
     run = plan_run(
         config,
         args,

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import workload
 from workload import (
     COMPLETION_TOKENS,
     GENERATION_BATCH,
@@ -42,7 +43,6 @@ from workload import (
     PROMPT_TOKENS,
     STEPS_PER_PASS,
     benchmark_prompts,
-    half_vocabulary_reward,
     layer_linears,
     user_config,
 )
@@ -66,7 +66,8 @@ class RunSpec:
     ``card_gib``: simulate a card of that many GiB (all but that much of the device taken before the run);
     ``train_seconds``: stop after the first step that ends past that many seconds of training;
     ``learning_rate`` None: 1e-5 (the user's config leaves it to the default, also 1e-5); ``profile_step``: the
-    step (from 1) whose CUDA kernels the profiler records, for :func:`kernel_overlap` (None: no profile).
+    step (from 1) whose CUDA kernels the profiler records, for :func:`kernel_overlap` (None: no profile);
+    ``reward``: the reward function's name in ``workload``.
     """
 
     experiment: str
@@ -82,6 +83,7 @@ class RunSpec:
     train_seconds: float | None = None
     ranks: int = 1
     profile_step: int | None = None
+    reward: str = "half_vocabulary_reward"
 
     @property
     def tiny(self) -> bool:
@@ -127,6 +129,7 @@ def build_user(spec: RunSpec) -> tuple[Any, Any]:
         spec.micro_batch,
         spec.completion_tokens,
         USER_KEYS[spec.kind],
+        reward=spec.reward,
     )
     if spec.learning_rate is not None:
         config["learning_rate"] = spec.learning_rate
@@ -221,7 +224,7 @@ def trainer_inputs(spec: RunSpec) -> dict[str, Any]:
 
     return dict(
         model=peft_model(spec),
-        reward_funcs=[half_vocabulary_reward],
+        reward_funcs=[getattr(workload, spec.reward)],
         args=grpo_args(spec),
         train_dataset=Dataset.from_dict({"prompt": benchmark_prompts(spec.model_path)}),
         processing_class=AutoTokenizer.from_pretrained(spec.model_path),
@@ -299,7 +302,7 @@ def build_unsloth(spec: RunSpec) -> tuple[Any, Any]:
     trainer = GRPOTrainer(
         model=model,
         processing_class=tokenizer,
-        reward_funcs=[half_vocabulary_reward],
+        reward_funcs=[getattr(workload, spec.reward)],
         args=args,
         train_dataset=Dataset.from_dict({"prompt": benchmark_prompts(spec.model_path)}),
     )

@@ -285,6 +285,7 @@ def training_specs(experiment: Experiment, session: Session, shape: str, ranks: 
                 train_seconds=experiment.train_seconds,
                 profile_step=profiled_step(experiment),
                 ranks=ranks,
+                reward=experiment.reward,
             )
         )
         for kind in experiment.kinds

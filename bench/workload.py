@@ -75,6 +75,7 @@ STOPS = "-stops"
 END_OF_SEQUENCE = "<|endoftext|>"  # token 0 of a shape's tokenizer (words_tokenizer)
 WORD_SPACE = "\u0120"  # a byte-level BPE's space: a word's token is it and the word's letters
 FIRST_WORD_ID = 28  # after the end of sequence, the space and the 26 letters
+BRIEF_TOKENS = 32  # brevity_reward's: a completion this long or shorter earns 1
 STOP_RATE = 0.01  # a -stops model's mean probability of its end-of-sequence token: completions of ~90 tokens of 256
 PROMPT_TOKENS = 32  # words a prompt has: that many tokens (one a word, :func:`words_tokenizer`)
 PROMPTS = 256
@@ -120,6 +121,15 @@ def half_vocabulary_reward(completions: list[str], **_: object) -> list[float]:
     from 152k rarely repeat, every reward is 1, and every gradient 0.)
     """
     return [sum(zlib.crc32(w.encode()) % 2 == 0 for w in c.split()) / max(1, len(c.split())) for c in completions]
+
+
+def brevity_reward(completion_ids: list[list[int]], **_: object) -> list[float]:
+    """1 for a completion that ended within ``BRIEF_TOKENS`` tokens, else 0: for a ``-stops`` shape, whose
+    completions end at about ``STOP_RATE`` a token, a reward a policy learns within a few hundred steps (raising the
+    end-of-sequence token's probability: the residual stream's channel that sets it, :func:`make_stops`, is one a
+    LoRA layer can write). The share of words in half the vocabulary (:func:`half_vocabulary_reward`) is learned far
+    slower: a random head spreads that half over every direction of the hidden state."""
+    return [float(len(ids) <= BRIEF_TOKENS) for ids in completion_ids]
 
 
 def benchmark_prompts(model_path: str, count: int = PROMPTS) -> list[str]:
@@ -281,6 +291,7 @@ def user_config(
     completion_tokens: int,
     extra: Mapping[str, Any] | None = None,
     prompts: list[str] | None = None,
+    reward: str = "half_vocabulary_reward",
 ) -> dict[str, Any]:
     """The config a user writes for this benchmark: model, dataset, reward and batch keys, all else default,
     plus ``extra`` (the one key that picks another way of serving the policy, say; its ``trl`` block merges
@@ -301,7 +312,7 @@ def user_config(
         "max_steps": steps,
         **{key: value for key, value in extra.items() if key != "trl"},
         "trl": {
-            "reward_funcs": ["workload.half_vocabulary_reward"],
+            "reward_funcs": [f"workload.{reward}"],
             "num_generations": NUM_GENERATIONS,
             "max_completion_length": completion_tokens,
             **extra.get("trl", {}),
