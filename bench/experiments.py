@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from workload import COMPLETION_TOKENS, GENERATION_BATCH
+from workload import COMPLETION_TOKENS, GENERATION_BATCH, REWARD
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Experiment:
     train_seconds: float | None = None
     completion_lengths: tuple[int, ...] = ()
     profile_step: int | None = None
-    reward: str = "half_vocabulary_reward"
+    reward: str = REWARD
     check: dict[str, Any] | None = field(default=None, compare=False)
     slow_check: bool = True
 

@@ -41,6 +41,7 @@ from workload import (
     GENERATION_BATCH,
     NUM_GENERATIONS,
     PROMPT_TOKENS,
+    REWARD,
     STEPS_PER_PASS,
     benchmark_prompts,
     layer_linears,
@@ -83,7 +84,7 @@ class RunSpec:
     train_seconds: float | None = None
     ranks: int = 1
     profile_step: int | None = None
-    reward: str = "half_vocabulary_reward"
+    reward: str = REWARD
 
     @property
     def tiny(self) -> bool:

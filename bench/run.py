@@ -161,13 +161,13 @@ def summary_line(result: dict[str, Any]) -> str:
     difference = float("nan") if mismatch["mean"] is None else mismatch["mean"]  # 0.0 where the bits are equal
     return (
         f"{name}: step {summary['step_s']:.3f} s over {summary['steps_run']} steps,{training_phase(summary)} peak "
-        f"{memory['peak_device_gib']:.1f} GiB{torch_peaks(memory)}, mismatch {difference:.5f}"
+        f"{memory['peak_device_gib']:.1f} GiB{torch_peaks_text(memory)}, mismatch {difference:.5f}"
         + ("" if equal is None else f" (logprobs equal bit for bit: {equal:.4f} of tokens at the lowest step)")
         + f", served == trained {result['served_equals_trained']}"
     )
 
 
-def torch_peaks(memory: dict[str, Any]) -> str:
+def torch_peaks_text(memory: dict[str, Any]) -> str:
     """`` (torch: A allocated, R reserved)``: what the device's peak holds of tensors and of cached blocks."""
     allocated, reserved = memory.get("trainer_peak_allocated_gib"), memory.get("trainer_peak_reserved_gib")
     return (

@@ -76,6 +76,7 @@ END_OF_SEQUENCE = "<|endoftext|>"  # token 0 of a shape's tokenizer (words_token
 WORD_SPACE = "\u0120"  # a byte-level BPE's space: a word's token is it and the word's letters
 FIRST_WORD_ID = 28  # after the end of sequence, the space and the 26 letters
 BRIEF_TOKENS = 32  # brevity_reward's: a completion this long or shorter earns 1
+REWARD = "half_vocabulary_reward"  # the benchmark's reward, unless an experiment names another
 STOP_RATE = 0.01  # a -stops model's mean probability of its end-of-sequence token: completions of ~90 tokens of 256
 PROMPT_TOKENS = 32  # words a prompt has: that many tokens (one a word, :func:`words_tokenizer`)
 PROMPTS = 256
@@ -291,7 +292,7 @@ def user_config(
     completion_tokens: int,
     extra: Mapping[str, Any] | None = None,
     prompts: list[str] | None = None,
-    reward: str = "half_vocabulary_reward",
+    reward: str = REWARD,
 ) -> dict[str, Any]:
     """The config a user writes for this benchmark: model, dataset, reward and batch keys, all else default,
     plus ``extra`` (the one key that picks another way of serving the policy, say; its ``trl`` block merges
