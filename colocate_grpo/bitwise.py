@@ -577,10 +577,13 @@ def decoder_forward(model: Any, kernels: Kernels, tokens: torch.Tensor, position
     A layer with transformers' gradient checkpointing on (``gradient_checkpointing_enable``, TRL's
     ``gradient_checkpointing``) is checkpointed with its own function: its backward recomputes it, by the same kernels.
     """
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_shape = (config.num_attention_heads, config.num_key_value_heads, head_dim)
     hidden = model.embed_tokens(tokens)
     residual = None
     for layer in model.layers:
-        step = functools.partial(_decoder_layer, layer, kernels, positions, cu)
+        step = functools.partial(_decoder_layer, layer, kernels, attention_shape, positions, cu)
         if layer.gradient_checkpointing and layer.training:
             hidden, residual = layer._gradient_checkpointing_func(step, hidden, residual)
         else:
@@ -589,12 +592,19 @@ def decoder_forward(model: Any, kernels: Kernels, tokens: torch.Tensor, position
 
 
 def _decoder_layer(
-    layer: Any, kernels: Kernels, positions: torch.Tensor, cu: Any, hidden: torch.Tensor, residual: torch.Tensor | None
+    layer: Any,
+    kernels: Kernels,
+    attention_shape: tuple[int, int, int],
+    positions: torch.Tensor,
+    cu: Any,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer as vLLM's: the residual added to the layer's input in its first RMSNorm (the first layer's
-    residual is its input, ``residual`` None), the MLP's output and the residual after it returned apart."""
+    residual is its input, ``residual`` None), the MLP's output and the residual after it returned apart.
+    ``attention_shape``: (query heads, key/value heads, head size)."""
     attn, mlp = layer.self_attn, layer.mlp
-    heads, kv_heads, head_dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    heads, kv_heads, head_dim = attention_shape
     cu_seqlens, max_len = cu
     if residual is None:
         residual, x = hidden, _norm(hidden, layer.input_layernorm, kernels)
