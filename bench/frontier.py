@@ -65,7 +65,7 @@ def memory_plan(
 
     directory = config_only(shape, models)
     with tempfile.TemporaryDirectory() as scratch:
-        raw = user_config(str(directory), Path(scratch), 1, micro_batch, completion_tokens, USER_KEYS[kind], ["t2"])
+        raw = user_config(str(directory), Path(scratch), 1, micro_batch, completion_tokens, USER_KEYS[kind], [" a"])
         config = load_config(raw)
         args = grpo_args(config, "cpu", torch.bfloat16)  # the GPU run's settings; the plan is told the device
     card = int(card_gib * GIB)

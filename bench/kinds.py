@@ -661,24 +661,24 @@ class StepRecorder:
         return Steps()
 
 
-def torch_peaks(steps: list[dict[str, Any]]) -> dict[str, float]:
+def torch_peaks(steps: list[dict[str, Any]], cuda: bool) -> dict[str, float | None]:
     """torch's allocator's peaks over the run, in GiB: ``trainer_peak_allocated_gib`` (tensors) and
-    ``trainer_peak_reserved_gib`` (with the blocks it caches; vLLM's sleep-mode pool is part of both). colocate_grpo
-    logs each phase's (``memory/<phase>/peak_*``, resetting torch's peaks at each phase), so its runs take the largest
-    it logged; a run that logs none (stock TRL, Unsloth) takes torch's peaks since training started."""
+    ``trainer_peak_reserved_gib`` (with the blocks it caches; vLLM's sleep-mode pool is part of both); None without
+    CUDA. colocate_grpo logs each phase's (``memory/<phase>/peak_*``, resetting torch's peaks at each phase), so its
+    runs take the largest it logged; a run that logs none (stock TRL, Unsloth) takes torch's peaks since training
+    started."""
     import torch
 
-    peaks = {}
-    for kind in ("allocated", "reserved"):
-        logged = [
-            v
-            for s in steps
-            for k, v in s.get("logged", {}).items()
-            if k.startswith("memory/") and k.endswith(f"peak_{kind}_gib")
-        ]
-        since_start = getattr(torch.cuda, f"max_memory_{kind}")() / GIB
-        peaks[f"trainer_peak_{kind}_gib"] = max(logged) if logged else since_start
-    return peaks
+    kinds = ("allocated", "reserved")
+    if not cuda:
+        return {f"trainer_peak_{kind}_gib": None for kind in kinds}
+    return {
+        f"trainer_peak_{kind}_gib": max(
+            (v for s in steps for k, v in s.get("logged", {}).items() if k.endswith(f"peak_{kind}_gib")),
+            default=getattr(torch.cuda, f"max_memory_{kind}")() / GIB,
+        )
+        for kind in kinds
+    }
 
 
 def training_phase_summary(measured: list[dict[str, Any]], device_name: str) -> dict[str, Any]:
@@ -793,7 +793,7 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
             "peak_device_gib": peak,
             # Of a simulated card: the device's used memory counts the allocation that simulates it.
             "card_used_gib": peak - (device_total_gib - spec.card_gib) if cuda and spec.card_gib else None,
-            **(torch_peaks(steps) if cuda else {"trainer_peak_allocated_gib": None, "trainer_peak_reserved_gib": None}),
+            **torch_peaks(steps, cuda),
         },
         "mismatch": mismatch_summary(steps),
         "served_equals_trained": min(checks) if checks else None,

@@ -395,10 +395,9 @@ def test_the_packed_forward_gives_merge_aware_lora_the_gradients_of_the_models_o
         model.enable_input_require_grads()
         model.train()
     checkpointed = []
-    for layer in model.get_base_model().model.layers:
-        run = layer._gradient_checkpointing_func if checkpointing else None
-        if run is not None:
-            layer._gradient_checkpointing_func = lambda *a, run=run, **k: checkpointed.append(1) or run(*a, **k)
+    for layer in model.get_base_model().model.layers if checkpointing else []:
+        run = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, run=run, **k: checkpointed.append(1) or run(*a, **k)
 
     packed = bitwise.causal_lm_log_probs(model.get_base_model(), reference_kernels(base), ids, mask, labels, 1.0)
     got = torch.autograd.grad(packed.log_probs[packed.label_mask].sum(), factors)
