@@ -444,13 +444,21 @@ def heads_of_128(tmp_path_factory):
 
 
 @needs_cuda
-@pytest.mark.parametrize(("architecture", "adapter"), [("qwen2", "lora"), ("qwen2", None), ("qwen3", "lora")])
-def test_on_a_gpu_every_sampled_token_has_the_engines_logprob_bit_for_bit(tmp_path, architecture, adapter, own_process):
+@pytest.mark.parametrize(
+    ("architecture", "adapter", "checkpointing"),
+    [("qwen2", "lora", False), ("qwen2", None, False), ("qwen3", "lora", False), ("qwen2", "lora", True)],
+    ids=["qwen2-lora", "qwen2-None", "qwen3-lora", "qwen2-lora-gradient-checkpointing"],
+)
+def test_on_a_gpu_every_sampled_token_has_the_engines_logprob_bit_for_bit(
+    tmp_path, architecture, adapter, checkpointing, own_process
+):
     if not own_process:
         return
     model = random_model_with_heads_of_128(tmp_path / "model", architecture)
     raw = tiny(tmp_path, trl={"vllm_bitwise_logprobs": True, "vllm_importance_sampling_correction": True})
     raw.update({"base_model": model, "max_steps": 3, "adapter": adapter, "learning_rate": 1e-3})
+    if checkpointing:  # the plan's choice otherwise (none, at this size)
+        raw["gradient_checkpointing"] = True
     with build_trainer(load_config(raw)) as trainer:
         trainer.train()
         history = trainer.metrics.history
