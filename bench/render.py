@@ -195,27 +195,29 @@ def long_run_table(results: list[dict], prefix: str) -> str:
 
 def learning_curves(results: list[dict], results_dir: Path = RESULTS) -> list[Path]:
     """Draw ``learning-curve.png`` in each folder holding learning-curve results that has none: the training
-    reward per step of each kind, and its moving mean over 20 steps. Returns the pictures drawn."""
+    reward per step of each kind, and its moving mean over 20 steps; a run stopped before its last step is drawn as
+    far as it went, and labelled so. Returns the pictures drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     drawn = []
-    folders = sorted({r["folder"] for r in results if r["experiment"] == "learning-curve" and not r["failed"]})
-    for folder in folders:
+    curves = [r for r in results if r["experiment"] == "learning-curve" and any("reward" in s for s in r["steps"])]
+    for folder in sorted({r["folder"] for r in curves}):
         picture = results_dir / folder / "learning-curve.png"
         if picture.exists():
             continue
         figure, axes = plt.subplots(figsize=(8, 4.5))
-        for r in results:
-            if r["folder"] != folder or r["experiment"] != "learning-curve" or r["failed"]:
+        for r in curves:
+            if r["folder"] != folder:
                 continue
             rewards = [s["reward"] for s in r["steps"] if "reward" in s]
             window = 20
             recent = [rewards[max(0, i - window + 1) : i + 1] for i in range(len(rewards))]
             means = [sum(values) / len(values) for values in recent]
-            (line,) = axes.plot(means, label=f"{r['kind']} (mean of {window} steps)")
+            stopped = f", stopped at step {len(rewards)}" if r["failed"] else ""
+            (line,) = axes.plot(means, label=f"{r['kind']} (mean of {window} steps{stopped})")
             axes.plot(rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
         axes.set_xlabel("optimizer step")
         axes.set_ylabel("training reward")
