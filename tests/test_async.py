@@ -290,7 +290,7 @@ def test_the_memory_plan_counts_training_beside_the_awake_kv_cache():
     )
     sequential, overlapped = plan_memory(**parts), plan_memory(**parts, overlapped=True)
     assert sequential.fits and sequential.peak == sequential.generation_peak
-    assert not overlapped.fits and overlapped.peak == overlapped.generation_peak + 3 * GIB
+    assert not overlapped.fits and overlapped.peak == overlapped.generation_peak + 3 * GIB + overlapped.allocator_slack
     message = refusal(overlapped, load_config({"async_generation": True}), serves_adapter=True)
     assert "while the engine generates and the trainer trains" in message
     for fix in ("a smaller KV cache", "a smaller micro_batch_size", "remove 'async_generation'"):
