@@ -142,7 +142,7 @@ EXPERIMENTS = {
             # Side by side, each plans on the memory free when it starts, before the others train: micro-batches of
             # 16 keep every run's activations small (the same 64 sequences a step, in four micro-batches).
             micro_batch=16,
-            # About 17 minutes on an H100 with the four: their engines start one after another (about 100 s each)
+            # Up to about 17 minutes on an H100 with the four: their engines start one after another (about 100 s each)
             # and the bitwise run's steps take 3.1 s beside the others. Where a call is shorter, run it in parts
             # (--kinds) into one folder, each with --time-limit.
             together=True,
