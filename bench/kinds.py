@@ -25,6 +25,7 @@ Kinds:
 from __future__ import annotations
 
 import collections
+import json
 import os
 import statistics
 import threading
@@ -56,6 +57,7 @@ WARMUP_STEPS = 2  # steps left out of the medians: the first compiles and alloca
 GIB = 2**30
 PHASES = ("sync", "wake", "generate", "sleep")
 ENGINE_STARTED = "bench: engine started"  # printed once the trainer is built (run.py's --together waits for it)
+RUN_DIR = "run"  # a run's output_dir in its work folder; colocate_grpo writes its metrics.jsonl there
 MAX_MODEL_LENGTH = 512  # stock TRL's engine's, as its colocate mode has it; Unsloth's max_seq_length the same
 
 
@@ -140,7 +142,7 @@ def build_user(spec: RunSpec) -> tuple[Any, Any]:
 def batch_args(spec: RunSpec) -> dict[str, Any]:
     """The ``GRPOConfig`` keys every TRL-based kind shares: the batch, the learning rate, the steps, logging."""
     return dict(
-        output_dir=str(Path(spec.workdir) / "run"),
+        output_dir=str(Path(spec.workdir) / RUN_DIR),
         per_device_train_batch_size=spec.micro_batch,
         gradient_accumulation_steps=GENERATION_BATCH // spec.micro_batch,
         num_generations=NUM_GENERATIONS,
@@ -528,6 +530,44 @@ def take_device_memory(card_gib: float) -> torch.Tensor:
     return torch.empty(int(total - card_gib * GIB - (total - free)), dtype=torch.uint8, device="cuda")
 
 
+# A step record's fields from the trainer's logs of the same names.
+LOGGED_FIELDS = {
+    "sampling/sampling_logp_difference/mean": "logp_diff",
+    "sampling/logp_equal_fraction": "logp_equal_fraction",
+    "entropy": "entropy",
+    "reward": "reward",
+}
+# colocate_grpo's own per-phase clock and merge checks, kept as the run logged them (a step record's ``logged``).
+OWN_PREFIXES = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/", "async/")
+
+
+def logged_fields(logs: Mapping[str, Any]) -> dict[str, Any]:
+    """What a step record takes from one of the trainer's logs: the logprob agreement, entropy and reward, the
+    served == trained checks (all of them true), and ``logged``: colocate_grpo's own numbers."""
+    fields: dict[str, Any] = {name: logs[key] for key, name in LOGGED_FIELDS.items() if key in logs}
+    checks = [value for key, value in logs.items() if key.endswith("served_equals_trained")]
+    if checks:
+        fields["served_equals_trained"] = bool(min(checks))
+    fields["logged"] = {k: v for k, v in logs.items() if k.startswith(OWN_PREFIXES) and isinstance(v, int | float)}
+    return fields
+
+
+def logged_steps(workdir: Path) -> list[dict[str, Any]]:
+    """The steps a colocate_grpo run wrote to its metrics file (``metrics.jsonl`` in its output_dir) as step
+    records: ``step``, ``step_s`` (its own ``time/step``) and :func:`logged_fields`. What remains of a run that
+    ended before it wrote its record; none for the other kinds, which write no such file."""
+    path = workdir / RUN_DIR / "metrics.jsonl"
+    steps = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            logs = json.loads(line)
+        except json.JSONDecodeError:  # the torn last line of a full disk
+            continue
+        if "step" in logs and "reward" in logs:
+            steps.append({"step": logs["step"], "step_s": logs.get("time/step"), **logged_fields(logs)})
+    return steps
+
+
 class StepRecorder:
     """Times one run's engine calls and optimizer steps.
 
@@ -633,23 +673,10 @@ class StepRecorder:
                 if not logs or not recorder.steps:
                     return
                 step = recorder.steps[-1]
-                if "sampling/sampling_logp_difference/mean" in logs:
-                    step["logp_diff"] = logs["sampling/sampling_logp_difference/mean"]
-                if "sampling/logp_equal_fraction" in logs:
-                    step["logp_equal_fraction"] = logs["sampling/logp_equal_fraction"]
-                if "entropy" in logs:
-                    step["entropy"] = logs["entropy"]
-                if "reward" in logs:
-                    step["reward"] = logs["reward"]
-                checks = [value for key, value in logs.items() if key.endswith("served_equals_trained")]
-                if checks:
-                    step["served_equals_trained"] = bool(min(checks))
-                # colocate_grpo's own per-phase clock and merge checks, as the run logged them.
-                own = ("time/", "memory/", "lora_merge/", "sync/", "lora_sync/", "async/")
+                fields = logged_fields(logs)
                 # Merged: the run's last on_log (its summary, train_runtime and the like) has none of these.
-                step.setdefault("logged", {}).update(
-                    {k: v for k, v in logs.items() if k.startswith(own) and isinstance(v, int | float)}
-                )
+                step.setdefault("logged", {}).update(fields.pop("logged"))
+                step.update(fields)
                 # Generation on async_generation's worker overlaps the trainer's step, and the trainer may wait for
                 # it outside the calls timed here: its own clock of the training phase is the one to read.
                 if step.get("phases", {}).get("generate", {}).get("background") and "time/train" in logs:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import EXPERIMENTS, Experiment
-from kinds import ENGINE_STARTED, KINDS, RunSpec
+from kinds import ENGINE_STARTED, KINDS, RunSpec, logged_steps
 from workload import TINY_COMPLETION_TOKENS
 
 HERE = Path(__file__).resolve().parent
@@ -240,7 +240,8 @@ def start_child(spec: dict[str, Any], workdir: Path, log: Path | None) -> tuple[
 
 
 def finish_child(child: subprocess.Popen, out: Path, log: Path | None) -> dict[str, Any]:
-    """Wait for a measured process; its record, or ``failed`` with the end of its output."""
+    """Wait for a measured process; its record, or ``failed`` with the end of its output and the steps its run
+    logged before it ended (:func:`kinds.logged_steps`; the record is written in the run's work folder)."""
     tail: collections.deque[str] = collections.deque(maxlen=200)
     if log is None:
         for line in child.stdout:
@@ -250,7 +251,8 @@ def finish_child(child: subprocess.Popen, out: Path, log: Path | None) -> dict[s
     if child.returncode == 0 and out.exists():
         return json.loads(out.read_text())
     text = log.read_text(errors="replace") if log else "".join(tail)
-    return {"failed": f"exit {child.returncode}\n{text[-3000:]}"}
+    steps = logged_steps(out.parent)
+    return {"failed": f"exit {child.returncode}\n{text[-3000:]}", "steps": steps, "summary": {"steps_run": len(steps)}}
 
 
 def run_spec(spec: dict[str, Any], workdir: Path) -> dict[str, Any]:

@@ -161,3 +161,23 @@ def test_a_run_stops_after_the_step_that_ends_past_the_time_limit(seconds_left, 
     callback.on_step_begin(args, state, control)
     callback.on_step_end(args, state, control)
     assert control.should_training_stop is stops
+
+
+def test_a_failed_run_keeps_the_steps_its_metrics_file_holds(tmp_path):
+    """A run that ends before writing its record (killed, out of memory) keeps, in its result, the steps
+    colocate_grpo logged: step, seconds, reward and the logprob agreement, as a step record names them."""
+    from kinds import RUN_DIR, logged_steps
+
+    assert logged_steps(tmp_path) == []  # the other kinds write no metrics file
+    logs = [
+        {"step": 1, "reward": 0.25, "time/step": 2.5, "sampling/logp_equal_fraction": 1.0, "entropy": 11.5},
+        {"step": 2, "reward": 0.5, "time/step": 2.0, "sampling/sampling_logp_difference/mean": 0.0},
+        {"train_runtime": 9.0},  # the trainer's closing summary, no step's
+    ]
+    metrics = tmp_path / RUN_DIR / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in logs) + '{"step": 3, "rew')
+    steps = logged_steps(tmp_path)
+    assert [(s["step"], s["step_s"], s["reward"]) for s in steps] == [(1, 2.5, 0.25), (2, 2.0, 0.5)]
+    assert steps[0]["logp_equal_fraction"] == 1.0 and steps[1]["logp_diff"] == 0.0
+    assert steps[0]["logged"] == {"time/step": 2.5}
