@@ -181,3 +181,12 @@ def test_a_failed_run_keeps_the_steps_its_metrics_file_holds(tmp_path):
     assert [(s["step"], s["step_s"], s["reward"]) for s in steps] == [(1, 2.5, 0.25), (2, 2.0, 0.5)]
     assert steps[0]["logp_equal_fraction"] == 1.0 and steps[1]["logp_diff"] == 0.0
     assert steps[0]["logged"] == {"time/step": 2.5}
+
+
+def test_a_run_not_started_by_the_time_limit_is_recorded_as_not_run(tmp_path):
+    from run import Session, machine, run_training
+
+    session = Session(tmp_path / "out", tmp_path / "models", "test", machine(), "test", True, stop_at=time.time() - 1)
+    session.out_dir.mkdir()
+    [result] = run_training(EXPERIMENTS["step-vs-trl"].checked(), session)
+    assert result["failed"] == "not run: the call's --time-limit had passed" and result["steps"] == []
