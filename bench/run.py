@@ -40,6 +40,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -49,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import EXPERIMENTS, Experiment
-from kinds import ENGINE_STARTED, KINDS, RunSpec, logged_steps
+from kinds import ENGINE_STARTED, KINDS, RUN_DIR, RunSpec, logged_steps
 from workload import TINY_COMPLETION_TOKENS
 
 HERE = Path(__file__).resolve().parent
@@ -228,6 +229,9 @@ def start_child(spec: dict[str, Any], workdir: Path, log: Path | None) -> tuple[
     spec_path = workdir / "spec.json"
     out = workdir / "record.json"
     out.unlink(missing_ok=True)
+    # A fresh output folder: the kinds build their trainers without the CLI's output-folder check, and colocate_grpo
+    # would append to an earlier run's metrics.jsonl, whose steps a failed run's result would then take for its own.
+    shutil.rmtree(workdir / RUN_DIR, ignore_errors=True)
     spec_path.write_text(json.dumps({**spec, "out": str(out)}))
     command = child_command(spec_path, spec.get("ranks", 1))
     env = child_env(spec.get("kind"), spec.get("ranks", 1))
