@@ -556,7 +556,9 @@ def logged_steps(workdir: Path) -> list[dict[str, Any]]:
     """The steps a colocate_grpo run wrote to its metrics file (``metrics.jsonl`` in its output_dir) as step
     records: ``step``, ``step_s`` (its own ``time/step``) and :func:`logged_fields`. What remains of a run that
     ended before it wrote its record; none for the other kinds, which write no such file."""
-    path = workdir / RUN_DIR / "metrics.jsonl"
+    from colocate_grpo.output_dir import METRICS
+
+    path = workdir / RUN_DIR / METRICS
     steps = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from colocate_grpo.lora import MergeAwareLoraLinear, lora_factors, lora_gradients, merged_weight
+from colocate_grpo.memory_plan import head_size
 
 logger = logging.getLogger(__name__)
 
@@ -578,8 +579,7 @@ def decoder_forward(model: Any, kernels: Kernels, tokens: torch.Tensor, position
     ``gradient_checkpointing``) is checkpointed with its own function: its backward recomputes it, by the same kernels.
     """
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention_shape = (config.num_attention_heads, config.num_key_value_heads, head_dim)
+    attention_shape = (config.num_attention_heads, config.num_key_value_heads, head_size(config))
     hidden = model.embed_tokens(tokens)
     residual = None
     for layer in model.layers:

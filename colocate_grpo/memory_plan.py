@@ -136,12 +136,19 @@ def shape_of(config: object, trust_remote_code: bool = False) -> ModelShape | No
     )
 
 
+def head_size(text_config: object) -> int | None:
+    """An attention head's size in a model of this (text) config: its ``head_dim``, which a config may leave out or
+    set to None, else the hidden size over the heads; None where the config has neither."""
+    heads = getattr(text_config, "num_attention_heads", None)
+    hidden = getattr(text_config, "hidden_size", None)
+    return getattr(text_config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+
+
 def _kv_values_per_token(text_config: object) -> int | None:
     layers = getattr(text_config, "num_hidden_layers", None)
     heads = getattr(text_config, "num_attention_heads", None)
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    hidden = getattr(text_config, "hidden_size", None)
-    head_dim = getattr(text_config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+    head_dim = head_size(text_config)
     if not (layers and kv_heads and head_dim):
         return None
     return 2 * layers * kv_heads * head_dim

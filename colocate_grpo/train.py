@@ -30,7 +30,7 @@ from colocate_grpo.memory_plan import (
     refusal,
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
-from colocate_grpo.output_dir import check_output_dir
+from colocate_grpo.output_dir import METRICS, check_output_dir
 from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
@@ -254,7 +254,7 @@ def build_trainer(
             from colocate_grpo.async_generation import AsyncColocateGRPOTrainer
 
             trainer_class = AsyncColocateGRPOTrainer
-        metrics = MetricsLog(Path(config.output_dir) / "metrics.jsonl")
+        metrics = MetricsLog(Path(config.output_dir) / METRICS)
         trainer = trainer_class(
             model=model,
             reward_funcs=inputs.rewards,

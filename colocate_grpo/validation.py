@@ -17,6 +17,7 @@ import torch
 
 from colocate_grpo.batching import regrouping_changes_loss
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, Problems, coerce_value, did_you_mean
+from colocate_grpo.memory_plan import head_size
 from colocate_grpo.migrate import TRL_KEYS_WITH_A_PLACE
 
 
@@ -385,7 +386,7 @@ def bitwise_problems(config: Config, device: str, model_path: str | None, trust_
             f"{model_type or 'of an unknown type'}: remove it."
         )
     else:
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        head_dim = head_size(text)
         if head_dim != BITWISE_HEAD_DIM:
             found.append(
                 f"'{BITWISE_KEY}: true' needs attention heads of {BITWISE_HEAD_DIM} (FlashAttention 3 decodes other "
