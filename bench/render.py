@@ -193,10 +193,16 @@ def long_run_table(results: list[dict], prefix: str) -> str:
     return "\n".join(lines)
 
 
+# The curves a learning curve is read against: the user's config and its run-to-run spread.
+BASELINE_CURVES = ("user", "user-seed1")
+
+
 def learning_curves(results: list[dict], results_dir: Path = RESULTS) -> list[Path]:
     """Draw ``learning-curve.png`` in each folder holding learning-curve results that has none: the training
     reward per step of each kind, and its moving mean over 20 steps; a run stopped before its last step is drawn as
-    far as it went, and labelled so. Returns the pictures drawn."""
+    far as it went, and labelled so. A folder without the user's config's curve (a kind run on its own) draws
+    the ``BASELINE_CURVES`` of the newest other folder that has them, at the same shape, labelled with that
+    folder. Returns the pictures drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,15 +215,14 @@ def learning_curves(results: list[dict], results_dir: Path = RESULTS) -> list[Pa
         if picture.exists():
             continue
         figure, axes = plt.subplots(figsize=(8, 4.5))
-        for r in curves:
-            if r["folder"] != folder:
-                continue
+        for r in [*baseline_curves(curves, folder), *(r for r in curves if r["folder"] == folder)]:
             rewards = [s["reward"] for s in r["steps"] if "reward" in s]
             window = 20
             recent = [rewards[max(0, i - window + 1) : i + 1] for i in range(len(rewards))]
             means = [sum(values) / len(values) for values in recent]
             stopped = f", stopped at step {len(rewards)}" if r["failed"] else ""
-            (line,) = axes.plot(means, label=f"{r['kind']} (mean of {window} steps{stopped})")
+            elsewhere = f", {r['folder']}" if r["folder"] != folder else ""
+            (line,) = axes.plot(means, label=f"{r['kind']} (mean of {window} steps{stopped}{elsewhere})")
             axes.plot(rewards, color=line.get_color(), alpha=0.2, linewidth=0.8)
         axes.set_xlabel("optimizer step")
         axes.set_ylabel("training reward")
@@ -228,6 +233,20 @@ def learning_curves(results: list[dict], results_dir: Path = RESULTS) -> list[Pa
         plt.close(figure)
         drawn.append(picture)
     return drawn
+
+
+def baseline_curves(curves: list[dict], folder: str) -> list[dict]:
+    """The ``BASELINE_CURVES`` runs to draw beside ``folder``'s curves: none where the folder has the user's
+    config's; else those of the newest other folder with them at the folder's shape (the last in
+    :func:`load_results`'s order)."""
+    own = [r for r in curves if r["folder"] == folder]
+    if any(r["kind"] == BASELINE_CURVES[0] for r in own):
+        return []
+    shapes = {r["shape"] for r in own}
+    others = [r["folder"] for r in curves if r["kind"] == BASELINE_CURVES[0] and r["shape"] in shapes]
+    if not others:
+        return []
+    return [r for r in curves if r["folder"] == others[-1] and r["kind"] in BASELINE_CURVES and r["shape"] in shapes]
 
 
 def frontier_table(results: list[dict], prefix: str) -> str:

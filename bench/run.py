@@ -337,7 +337,7 @@ def run_training(experiment: Experiment, session: Session) -> list[dict]:
                 session.write(result)
                 results.append(result)
     print_ratios(results)
-    if experiment.together:
+    if experiment.together and len(results) > 1:
         print("The runs shared the device: their times and memory are not a run's alone.")
     return results
 

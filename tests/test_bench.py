@@ -190,3 +190,23 @@ def test_a_run_not_started_by_the_time_limit_is_recorded_as_not_run(tmp_path):
     session.out_dir.mkdir()
     [result] = run_training(EXPERIMENTS["step-vs-trl"].checked(), session)
     assert result["failed"] == "not run: the call's --time-limit had passed" and result["steps"] == []
+
+
+def test_a_curve_run_alone_is_drawn_beside_the_newest_default_curves_of_its_shape():
+    from render import baseline_curves
+
+    def curve(folder: str, kind: str, shape: str = "1.5B-stops") -> dict:
+        return {"folder": folder, "kind": kind, "shape": shape}
+
+    curves = [
+        curve("a", "user"),
+        curve("a", "user-seed1"),
+        curve("b", "user"),
+        curve("b", "user-seed1"),
+        curve("b", "user-async"),
+        curve("b", "user", "7B"),
+        curve("c", "user-bitwise"),
+    ]
+    assert baseline_curves(curves, "c") == curves[2:4]
+    assert baseline_curves(curves, "b") == []  # it has the default's own
+    assert baseline_curves([*curves, curve("d", "user-bitwise", "tiny")], "d") == []  # no default at "tiny"
