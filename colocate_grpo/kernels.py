@@ -371,28 +371,15 @@ def undo_merge(
 # The grouped kernels' table: a row of int64 fields a layer.
 _W, _A, _B, _ROWS, _COLS, _RANK, _STEPS, _SLOTS, _CAPACITY = (tl.constexpr(i) for i in range(9))
 _FIELDS = tl.constexpr(9)
-
-
-@triton.jit
-def _layer_of(starts_ptr, pid, layers, SEARCH_STEPS: tl.constexpr):
-    """The layer whose programs hold program ``pid``: the last ``i`` with ``starts[i] <= pid``, by binary search
-    over the layers' first programs (ascending from 0; ``SEARCH_STEPS`` = ceil(log2(layers)))."""
-    lo = 0
-    hi = layers
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        below = tl.load(starts_ptr + mid) <= pid
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    return lo
+_MOST_LAYERS = torch.iinfo(torch.int16).max  # the table of each program's layer is int16
 
 
 @triton.jit
 def _grouped_merge_in_place_kernel(
     table_ptr,
     scalings_ptr,
+    tile_layers_ptr,
     tile_starts_ptr,
-    layers,
     steps_ptr,
     outliers_ptr,
     outlier_bits_ptr,
@@ -400,7 +387,6 @@ def _grouped_merge_in_place_kernel(
     w_like,
     a_like,
     b_like,
-    SEARCH_STEPS: tl.constexpr,
     ALIGN: tl.constexpr,
     RANK_ALIGN: tl.constexpr,
     R: tl.constexpr,
@@ -408,7 +394,7 @@ def _grouped_merge_in_place_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    layer = _layer_of(tile_starts_ptr, pid, layers, SEARCH_STEPS)
+    layer = tl.load(tile_layers_ptr + pid).to(tl.int32)
     row = table_ptr + layer * _FIELDS
     # The alignments Triton assumes of a launch's arguments (16 bytes, columns a multiple of 16), where every layer
     # has them: wide loads and stores.
@@ -445,18 +431,17 @@ def _grouped_merge_in_place_kernel(
 @triton.jit
 def _grouped_undo_merge_kernel(
     table_ptr,
+    block_layers_ptr,
     block_starts_ptr,
-    layers,
     steps_ptr,
     outliers_ptr,
     outlier_bits_ptr,
     states_ptr,
-    SEARCH_STEPS: tl.constexpr,
     ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    layer = _layer_of(block_starts_ptr, pid, layers, SEARCH_STEPS)
+    layer = tl.load(block_layers_ptr + pid).to(tl.int32)
     start = tl.load(block_starts_ptr + layer)
     row = table_ptr + layer * _FIELDS
     bits_ptr = tl.multiple_of(tl.load(row + _W).to(tl.pointer_type(outlier_bits_ptr.dtype.element_ty)), ALIGN)
@@ -488,8 +473,9 @@ def _alignment(values: list[int], most: int = 16) -> int:
 
 class GroupedMerges:
     """:func:`merge_in_place` into many layers by one kernel launch, and their restore (:func:`undo_merge` with
-    ``spend``) by another: each program finds its layer by a binary search over the layers' first programs, and
-    the layer's addresses, shape, scaling and place in the record memory in a table on the device.
+    ``spend``) by another: each program reads its layer from a table of every program's layer (a binary search
+    over the layers' first programs took 8 dependent loads at 196 layers, most of a program's time), and the
+    layer's addresses, shape, scaling and place in the record memory from a table on the device.
 
     Built once for a set of layers and reused by every merge while they are the same tensors: it holds them (W, A,
     B), so their addresses stay theirs; the kernels read the values at each launch. The records' memory is the
@@ -538,12 +524,12 @@ class GroupedMerges:
             triton.cdiv(m * n, _UNDO_BLOCK) + triton.cdiv(capacity, _UNDO_BLOCK)
             for m, n, capacity in zip(rows, cols, capacities, strict=True)
         ]
-        self.layers = len(targets)
-        self.search_steps = (self.layers - 1).bit_length()
         self.tiles, self.blocks = sum(tiles), sum(blocks)
         self.table = _on_device(torch.tensor(table, dtype=torch.int64), self.device)
         self.scalings = _on_device(torch.tensor(scalings, dtype=torch.float32), self.device)
+        self.tile_layers = _on_device(_layer_of_each(tiles), self.device)
         self.tile_starts = _on_device(_starts(tiles), self.device)
+        self.block_layers = _on_device(_layer_of_each(blocks), self.device)
         self.block_starts = _on_device(_starts(blocks), self.device)
 
     @staticmethod
@@ -555,6 +541,7 @@ class GroupedMerges:
         ranks = {max(16, triton.next_power_of_2(lora_A.shape[0])) for lora_A in lora_As}
         return (
             len(ranks) == 1
+            and len(targets) <= _MOST_LAYERS
             and all(t.dtype == first.dtype and t.device == first.device and t.numel() for t in targets)
             and all(t.is_contiguous() for tensors in (targets, lora_As, lora_Bs) for t in tensors)
             and len({t.dtype for t in lora_As}) == 1
@@ -568,8 +555,8 @@ class GroupedMerges:
         _grouped_merge_in_place_kernel[(self.tiles,)](
             self.table,
             self.scalings,
+            self.tile_layers,
             self.tile_starts,
-            self.layers,
             steps,
             outliers,
             outlier_bits,
@@ -577,7 +564,6 @@ class GroupedMerges:
             self.targets[0],
             self.lora_As[0],
             self.lora_Bs[0],
-            SEARCH_STEPS=self.search_steps,
             ALIGN=self.align,
             RANK_ALIGN=self.rank_align,
             R=self.padded_rank,
@@ -592,18 +578,23 @@ class GroupedMerges:
         merged, or was restored already, is left as it is."""
         _grouped_undo_merge_kernel[(self.blocks,)](
             self.table,
+            self.block_layers,
             self.block_starts,
-            self.layers,
             steps,
             outliers,
             outlier_bits,
             states,
-            SEARCH_STEPS=self.search_steps,
             ALIGN=self.align,
             BLOCK=_UNDO_BLOCK,
             num_warps=_UNDO_WARPS,
             maxnreg=_GROUPED_REGISTERS,
         )
+
+
+def _layer_of_each(counts: list[int]) -> torch.Tensor:
+    """Each program's layer, where layer ``i`` has ``counts[i]`` programs in order: int16 (:meth:`GroupedMerges.takes`
+    up to ``_MOST_LAYERS``), 2 bytes a program, 0.6 MB for a 1.5B model's merge."""
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int16), torch.tensor(counts))
 
 
 def _starts(counts: list[int]) -> torch.Tensor:
