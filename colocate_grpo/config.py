@@ -272,7 +272,8 @@ class Config:
     async_generation: bool = field(
         default=False,
         metadata={
-            "help": "Generate the next batch while the trainer trains on this one (docs/async.md). The engine stays "
+            "help": "Generate the next batch while the trainer trains on this one (docs/async.md); on one GPU not "
+            "faster than the sequential mode, as the two slow each other down on the device. The engine stays "
             "awake and serves the adapter (as trl.vllm_lora_sync does); each batch is sampled with the adapter of "
             "the optimizer step before the one that trains on it, and TRL's importance-sampling correction "
             "reweights it. LoRA on a bf16 base, one process."

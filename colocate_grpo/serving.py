@@ -71,5 +71,7 @@ class AsyncMode:
         return (
             "asynchronous: the next batch generates while this one trains, with the adapter of the step before (one "
             f"batch in flight, max_staleness {self.max_staleness}); the engine stays awake. The adapter is served, not "
-            "merged, as a merge would change the base the trainer computes with; it is synced between generations."
+            "merged, as a merge would change the base the trainer computes with; it is synced between generations. "
+            "On one GPU it is not faster than the sequential mode (measured on an H100): generation and training slow "
+            "each other down on the device (docs/async.md)."
         )
