@@ -5,7 +5,8 @@
     python bench/render.py --check    # exit 1 if a file's tables differ from what the results give
 
 Reads every ``bench/results/*/*.json`` of the harness's schema (``run.py``), leaving out CPU checks. Where
-several folders hold the same experiment, shape and kind, the newest folder's result is the one shown.
+several folders hold the same experiment, shape and kind, the newest folder's result is the one shown: folders
+are ordered by date, then by when their newest result was written (:func:`folder_order`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,26 @@ def shape_size(shape: str) -> float:
 
 
 def load_results(results: Path = RESULTS) -> list[dict[str, Any]]:
-    """Every result of the schema under ``results``, oldest folder first, each with its ``folder``'s name."""
+    """Every result of the schema under ``results``, oldest folder first (:func:`folder_order`), each with its
+    ``folder``'s name."""
     loaded = []
     for path in sorted(results.glob("*/*.json")):
         result = json.loads(path.read_text())
         if isinstance(result, dict) and result.get("schema") and not result["config"].get("check"):
             loaded.append({**result, "folder": path.parent.name})
-    return loaded
+    order = folder_order(loaded)
+    return sorted(loaded, key=lambda result: order[result["folder"]])  # stable: by file name within a folder
+
+
+def folder_order(results: list[dict[str, Any]]) -> dict[str, tuple[str, str, str]]:
+    """Each results folder's sort key: its date (the name's first 10 characters), the time its newest result was
+    written (``written_utc``; results written before it was recorded have none, and sort first), its name. The
+    name alone would order one day's folders by their commits' hashes."""
+    written: dict[str, str] = {}
+    for result in results:
+        folder = result["folder"]
+        written[folder] = max(written.get(folder, ""), result.get("written_utc") or "")
+    return {folder: (folder[:10], time, folder) for folder, time in written.items()}
 
 
 def newest(results: list[dict], **match: Any) -> dict | None:

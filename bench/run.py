@@ -134,6 +134,7 @@ class Session:
             "machine": self.machine,
             "commit": self.commit,
             "date": datetime.date.today().isoformat(),
+            "written_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": self.command,
             "config": {**config, "check": self.check},
             **empty,

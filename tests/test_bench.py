@@ -32,6 +32,7 @@ SCHEMA_KEYS = {
     "machine",
     "commit",
     "date",
+    "written_utc",
     "command",
     "config",
     "steps",
@@ -210,3 +211,27 @@ def test_a_curve_run_alone_is_drawn_beside_the_newest_default_curves_of_its_shap
     assert baseline_curves(curves, "c") == curves[2:4]
     assert baseline_curves(curves, "b") == []  # it has the default's own
     assert baseline_curves([*curves, curve("d", "user-bitwise", "tiny")], "d") == []  # no default at "tiny"
+
+
+def test_results_folders_of_one_day_sort_by_when_their_results_were_written():
+    from render import folder_order
+
+    def result(folder: str, written: str | None) -> dict:
+        return {"folder": folder, "written_utc": written}
+
+    results = [
+        result("2026-12-07-h100-2fca379", "2026-12-07T10:46:01+00:00"),
+        result("2026-12-07-h100-2fca379", "2026-12-07T10:58:30+00:00"),  # a folder is as new as its newest result
+        result("2026-12-07-h100-6c1e778", "2026-12-07T10:57:00+00:00"),
+        result("2026-12-07-h100-be8fa45", None),  # written before results recorded the time: first of its day
+        result("2026-12-08-cpu-2core-0000000", "2026-12-08T00:00:01+00:00"),
+        result("2026-12-06-h200-fffffff", "2026-12-06T23:59:59+00:00"),
+    ]
+    order = folder_order(results)
+    assert sorted(order, key=order.get) == [
+        "2026-12-06-h200-fffffff",
+        "2026-12-07-h100-be8fa45",
+        "2026-12-07-h100-6c1e778",
+        "2026-12-07-h100-2fca379",
+        "2026-12-08-cpu-2core-0000000",
+    ]
