@@ -51,3 +51,10 @@ def randomize_lora(model):
 
 def relative_error(ours, reference):
     return max(((ours[n].float() - g.float()).norm() / g.float().norm()).item() for n, g in reference.items())
+
+
+def overall_relative_error(ours, reference):
+    """|ours - reference| / |reference| over every gradient at once, where :func:`relative_error` takes the worst
+    parameter's."""
+    difference = sum(((ours[n].float() - g.float()) ** 2).sum() for n, g in reference.items()) ** 0.5
+    return (difference / sum((g.float() ** 2).sum() for g in reference.values()) ** 0.5).item()

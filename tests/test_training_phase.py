@@ -9,6 +9,7 @@ from lora_training import (
     MICRO_BATCH,
     lora_gradients,
     optimizer_step_gradients,
+    overall_relative_error,
     randomize_lora,
     relative_error,
     tiny_config,
@@ -147,7 +148,11 @@ def test_grouping_by_length_gives_the_loss_and_gradients_of_padding(tmp_path, lo
 
     computed = sum(width(micro_batch) for micro_batch in grouped)
     assert computed < ACCUMULATION * (batch["prompt_ids"].size(1) + batch["completion_ids"].size(1))
-    gradient_error = relative_error(grouped_gradients, padded_gradients)
+    # The whole gradient's error, not the worst parameter's: a parameter whose gradient nearly cancels (each group's
+    # advantages sum to 0) takes a relative error several times the rest's from rounding alone, and how much depends
+    # on the CPU's kernels (on an AVX2 AMD EPYC the worst parameter's reached 4%, as much with the micro-batches
+    # regrouped but not trimmed, where the whole gradient's was 0.6%).
+    gradient_error = overall_relative_error(grouped_gradients, padded_gradients)
     loss_error = abs(grouped_loss - padded_loss)
     print(f"{loss_type}: loss {padded_loss:.6f} padded, {grouped_loss:.6f} grouped; gradients {gradient_error:.2e}")
     if loss_type == "bnpo":
