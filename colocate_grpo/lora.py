@@ -201,12 +201,15 @@ class _MergeAwareLinear(torch.autograd.Function):
         x, weight, lora_A, lora_B = ctx.saved_tensors
         s, dtype = ctx.scaling, ctx.dtype
         grad_x = grad_bias = None
-        # GEMMs in the compute dtype with fp32 accumulation, as PEFT's LoRA runs under autocast: casting
-        # the (tokens, features) activations and gradients to fp32 would cost more than the matmuls.
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
-        flat_x = x.reshape(-1, x.shape[-1]).to(dtype)
+        # GEMMs on values of the compute dtype with fp32 accumulation, as PEFT's LoRA runs under autocast: on a GPU
+        # in that dtype, as casting the (tokens, features) activations and gradients to fp32 would cost more than the
+        # matmuls; on a CPU in fp32 (the same values, exactly), as a CPU without bf16 units (AVX2) ran bf16 GEMMs 20
+        # to 50 times slower than fp32 ones.
+        gemm_dtype = torch.float32 if grad_out.device.type == "cpu" else dtype
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype).to(gemm_dtype)
+        flat_x = x.reshape(-1, x.shape[-1]).to(dtype).to(gemm_dtype)
         if ctx.needs_input_grad[0]:
-            merged = merged_weight(weight, lora_A, lora_B, s, dtype)
+            merged = merged_weight(weight, lora_A, lora_B, s, dtype).to(gemm_dtype)
             grad_x = (flat_grad @ merged).reshape(x.shape).to(x.dtype)
         grad_A, grad_B = lora_gradients(
             flat_grad, flat_x, lora_A, lora_B, s, ctx.needs_input_grad[3], ctx.needs_input_grad[4]
