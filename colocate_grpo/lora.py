@@ -173,8 +173,9 @@ def lora_gradients(
     need_B: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dL/dA = s (G B)^T X and dL/dB = s G^T (X A^T) of a layer computing x @ (W + s B A)^T, in low rank: never the
-    (out, in) dL/dW. ``grad`` G (tokens, out) and ``x`` X (tokens, in) in the compute dtype; the GEMMs run in it with
-    fp32 accumulation (PEFT's precision under autocast), the results in A's and B's dtypes (None where not needed)."""
+    (out, in) dL/dW. ``grad`` G (tokens, out) and ``x`` X (tokens, in) in the dtype the GEMMs run in (the compute
+    dtype, or fp32 on a CPU: see :class:`_MergeAwareLinear`), with fp32 accumulation (PEFT's precision under
+    autocast); the results in A's and B's dtypes (None where not needed)."""
     grad_A = ((grad @ lora_B.to(grad.dtype)).T @ x).float().mul_(scaling).to(lora_A.dtype) if need_A else None
     grad_B = (grad.T @ (x @ lora_A.to(x.dtype).T)).float().mul_(scaling).to(lora_B.dtype) if need_B else None
     return grad_A, grad_B
@@ -185,7 +186,8 @@ class _MergeAwareLinear(torch.autograd.Function):
 
     Saves x only (W, A, B are parameters): the merged weight is rebuilt in backward rather than
     kept, and the A and B gradients are computed in low rank, never forming the (out, in) dL/dW.
-    Their GEMMs run in the compute dtype with fp32 accumulation (PEFT's precision under autocast).
+    Their GEMMs run on values of the compute dtype with fp32 accumulation (PEFT's precision under autocast): in that
+    dtype on a GPU, in fp32 on a CPU.
     """
 
     @staticmethod
@@ -203,8 +205,8 @@ class _MergeAwareLinear(torch.autograd.Function):
         grad_x = grad_bias = None
         # GEMMs on values of the compute dtype with fp32 accumulation, as PEFT's LoRA runs under autocast: on a GPU
         # in that dtype, as casting the (tokens, features) activations and gradients to fp32 would cost more than the
-        # matmuls; on a CPU in fp32 (the same values, exactly), as a CPU without bf16 units (AVX2) ran bf16 GEMMs 20
-        # to 50 times slower than fp32 ones.
+        # matmuls; on a CPU in fp32 (the same values, exactly), as a CPU without bf16 units (AVX2) ran the tiny model's
+        # bf16 GEMMs 40 to 60 times slower than fp32 ones.
         gemm_dtype = torch.float32 if grad_out.device.type == "cpu" else dtype
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype).to(gemm_dtype)
         flat_x = x.reshape(-1, x.shape[-1]).to(dtype).to(gemm_dtype)
