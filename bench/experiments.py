@@ -196,7 +196,6 @@ EXPERIMENTS = {
             cards=(12, 16, 24, 40, 80),
             # The CPU check prints the memory plan's side of the search: no training.
             check={"kinds": ("user", "user-merged", "user-adapter", "user-4bit")},
-            slow_check=False,
         ),
         Experiment(
             "frontier-vs-unsloth",
@@ -233,7 +232,6 @@ EXPERIMENTS = {
             card_gib=40,
             completion_lengths=(1024, 2048, 4096, 8192, 16384, 32000),
             check={"kinds": ("user",)},
-            slow_check=False,
         ),
         Experiment(
             "lora-speed",
@@ -242,7 +240,6 @@ EXPERIMENTS = {
             shapes=("1.5B", "7B"),
             kinds=(),
             check={"shapes": ("tiny",)},
-            slow_check=False,
         ),
         Experiment(
             "merge-in-place",
@@ -267,7 +264,6 @@ EXPERIMENTS = {
             shapes=("1.5B", "7B"),
             kinds=(),
             check={"shapes": ("tiny",)},
-            slow_check=False,
         ),
         Experiment(
             "training-step",

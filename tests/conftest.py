@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +98,29 @@ def own_process(request) -> bool:
     )
     assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-3000:]
     return False
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """The CLI's ``main`` in this process, as ``python -m colocate_grpo.train ARGS`` runs it from ``cwd`` (first on
+    its import path, for a config's reward modules, which are forgotten afterwards): its exit code and output.
+
+    A process of its own costs some 15 s of imports on a 2-core CPU; ``tests/test_config.py`` runs one.
+    """
+
+    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+        from colocate_grpo.train import main
+
+        monkeypatch.chdir(cwd)
+        monkeypatch.syspath_prepend(str(cwd))
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        finally:
+            for name, module in list(sys.modules.items()):
+                if Path(getattr(module, "__file__", None) or "/").is_relative_to(cwd):
+                    del sys.modules[name]
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["colocate_grpo.train", *args], code, out, err)
+
+    return run

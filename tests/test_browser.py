@@ -67,6 +67,7 @@ def voila(tmp_path):
         log.close()
 
 
+@pytest.mark.slow  # Voila's kernel and Chromium start, about 100 s on 2 cores
 def test_the_live_dashboard_shows_in_chromium(voila, tmp_path):
     from playwright.sync_api import sync_playwright
 

@@ -145,10 +145,19 @@ def test_reference_lists_every_key():
         assert f"`{key}`" in reference
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "colocate_grpo.train", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+def test_the_cli_process_exits_2_with_one_line(tmp_path):
+    """The other CLI tests run its ``main`` in the test's process (the ``run_cli`` fixture); this one, the command."""
+    (tmp_path / "cfg.yaml").write_text("lora_rr: 8\noutput_dir: out\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "colocate_grpo.train", "cfg.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("colocate_grpo: config error:") and "Did you mean 'lora_r'" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
@@ -161,7 +170,7 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         ("output_dir: out\ntrl:\n  reward_funcs: [no_such_module.reward]\n", "cannot import module"),
     ],
 )
-def test_cli_bad_input_exits_2_with_one_message_and_writes_nothing(tmp_path, text, fragment):
+def test_cli_bad_input_exits_2_with_one_message_and_writes_nothing(run_cli, tmp_path, text, fragment):
     (tmp_path / "cfg.yaml").write_text(text)
     result = run_cli("cfg.yaml", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
@@ -172,13 +181,13 @@ def test_cli_bad_input_exits_2_with_one_message_and_writes_nothing(tmp_path, tex
 
 
 @pytest.mark.parametrize("config", ["path", "name"])
-def test_cli_check_accepts_a_good_config(tmp_path, config):
+def test_cli_check_accepts_a_good_config(run_cli, tmp_path, config):
     result = run_cli("--check", str(default_config_path()) if config == "path" else "tiny", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "OK" in result.stdout
 
 
-def test_cli_check_reads_the_prompts_too(tmp_path):
+def test_cli_check_reads_the_prompts_too(run_cli, tmp_path):
     config = load_config(default_config_path()).to_dict()
     config.update({"output_dir": str(tmp_path / "out"), "max_prompt_length": 2})
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
@@ -227,7 +236,7 @@ def too_few(completions, **kwargs):
         ("too_few", "returned 1 scores for 2 completions"),
     ],
 )
-def test_cli_bad_reward_functions_exit_2_before_training(tmp_path, reward, fragment):
+def test_cli_bad_reward_functions_exit_2_before_training(run_cli, tmp_path, reward, fragment):
     (tmp_path / "my_rewards.py").write_text(BAD_REWARDS)
     (tmp_path / "cfg.yaml").write_text(f"output_dir: out\ntrl:\n  reward_funcs: [my_rewards.{reward}]\n")
     result = run_cli("cfg.yaml", cwd=tmp_path)
@@ -286,7 +295,7 @@ def test_a_missing_dataset_column_is_named_with_the_columns_there(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_chat_prompts_for_a_tokenizer_without_a_chat_template_exit_2(tmp_path):
+def test_chat_prompts_for_a_tokenizer_without_a_chat_template_exit_2(run_cli, tmp_path):
     from colocate_grpo.tiny import tiny_model_path
 
     base = tmp_path / "base-model"

@@ -51,6 +51,7 @@ def test_each_rank_trains_with_its_own_engine_and_serves_the_same_weights(tmp_pa
     assert ranks[0]["sampled"] != ranks[1]["sampled"]  # ...and each rank samples its own completions
 
 
+@pytest.mark.slow  # two ranks' imports and engines, about a minute on 2 cores; the rank test above stays
 def test_the_cli_trains_on_two_ranks_and_rank_0_writes_the_run(tmp_path):
     run = launch(tmp_path, "-m", "colocate_grpo.train", str(two_rank_config(tmp_path)))
     assert run.returncode == 0, run.stderr[-4000:]

@@ -4,6 +4,7 @@ import ctypes
 import gc
 
 import psutil
+import pytest
 import torch
 
 from colocate_grpo.config import load_config
@@ -31,6 +32,7 @@ def memory_in_use() -> int:
     return psutil.Process().memory_info().rss
 
 
+@pytest.mark.slow  # five runs, about 50 s on 2 cores
 def test_five_create_train_close_cycles_return_memory_to_within_one_percent(tmp_path):
     """The first cycle warms what a process keeps (imports, compiled kernels, allocator pools); none after it grows.
 
