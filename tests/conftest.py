@@ -108,8 +108,10 @@ def run_cli(monkeypatch, capsys):
     A process of its own costs some 15 s of imports on a 2-core CPU; ``tests/test_config.py`` runs one.
     """
 
-    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    def run(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
         from colocate_grpo.train import main
+
+        args = tuple(map(str, args))
 
         monkeypatch.chdir(cwd)
         monkeypatch.syspath_prepend(str(cwd))

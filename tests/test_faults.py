@@ -178,7 +178,7 @@ def test_resuming_with_another_lora_rank_or_other_targets_is_refused_before_the_
     folder = copy_of(killed_run, tmp_path)
     raw = tiny(folder, resume_from_checkpoint="latest", lora_r=8, lora_target_linear=False)
     raw["lora_target_modules"] = ["q_proj", "v_proj"]
-    refused = run_cli(str(write_config(tmp_path / "cfg.yaml", raw)), cwd=tmp_path)
+    refused = run_cli(write_config(tmp_path / "cfg.yaml", raw), cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr
     assert "lora_r: 8 in this config, 16 in the checkpoint" in refused.stderr
     assert "lora_target_modules: ['q_proj', 'v_proj'] in this config, None in the checkpoint" in refused.stderr
@@ -188,7 +188,7 @@ def test_resuming_with_another_lora_rank_or_other_targets_is_refused_before_the_
 def test_an_output_dir_that_is_a_file_or_cannot_be_written_is_refused_before_the_model_loads(run_cli, tmp_path):
     a_file = tmp_path / "taken"
     a_file.write_text("not a folder")
-    refused = run_cli(str(write_config(tmp_path / "file.yaml", tiny(a_file))), cwd=tmp_path)
+    refused = run_cli(write_config(tmp_path / "file.yaml", tiny(a_file)), cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr
     assert f"'output_dir: {a_file}' is a file, not a folder" in refused.stderr and "Traceback" not in refused.stderr
 
@@ -197,7 +197,7 @@ def test_an_output_dir_that_is_a_file_or_cannot_be_written_is_refused_before_the
     read_only.chmod(0o555)
     # root writes anywhere a mode forbids: there, a folder of /proc (no new entries) stands in
     parent = read_only if not os.access(read_only, os.W_OK) else Path("/proc")
-    refused = run_cli(str(write_config(tmp_path / "unwritable.yaml", tiny(parent / "run"))), cwd=tmp_path)
+    refused = run_cli(write_config(tmp_path / "unwritable.yaml", tiny(parent / "run")), cwd=tmp_path)
     read_only.chmod(0o755)
     assert refused.returncode == 2, refused.stderr
     assert f"'output_dir: {parent / 'run'}' cannot be written: creating a file in {parent} failed" in refused.stderr
@@ -250,9 +250,8 @@ def dataset_job(tmp_path: Path, folder: Path, rewards: list[str], **dataset) -> 
 
 
 def test_empty_prompts_are_refused_with_their_rows_before_the_model_loads(run_cli, tmp_path):
-    refused = run_cli(
-        str(write_config(tmp_path / "cfg.yaml", dataset_job(tmp_path, tmp_path / "run", ["partial"]))), cwd=tmp_path
-    )
+    config = write_config(tmp_path / "cfg.yaml", dataset_job(tmp_path, tmp_path / "run", ["partial"]))
+    refused = run_cli(config, cwd=tmp_path)
     assert refused.returncode == 2, refused.stderr
     assert "2 of 12 prompts of 'dataset.path:" in refused.stderr and "at rows 3, 7 (numbered from 0)" in refused.stderr
     assert "dataset.skip_empty_prompts: true" in refused.stderr

@@ -12,9 +12,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 # The quickstart runs in the default suite; the others (about 40 s each on 2 cores) with the slow tests.
 @pytest.mark.parametrize(
-    "path",
-    [pytest.param(p, marks=[] if p.stem == "quickstart" else [pytest.mark.slow]) for p in NOTEBOOKS],
-    ids=[p.stem for p in NOTEBOOKS],
+    "path", [pytest.param(p, marks=[] if p.stem == "quickstart" else [pytest.mark.slow], id=p.stem) for p in NOTEBOOKS]
 )
 def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("COLOCATE_GRPO_STEPS", "4")
