@@ -34,6 +34,8 @@ import torch
 from workload import DIMENSIONS, linear_shapes
 
 RANK = 16
+# How many kernels the profiled experiments list, by their time: where a phase's device time goes.
+KERNEL_TABLE_ROWS = 15
 SCALING = 2.0
 TINY_LAYERS = [(256, 128), (128, 256)] * 4
 TINY_MODEL = dict(
@@ -65,17 +67,32 @@ def seconds(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float
     return statistics.median(times)
 
 
-def kernel_seconds(fn: Callable[[], object], iters: int = 3) -> float | None:
-    """Seconds of CUDA kernel time per ``fn()`` (the profiler's), without the host's launch gaps; None on a CPU."""
+def kernel_profile(fn: Callable[[], object], iters: int = 3, top: int = 0) -> tuple[float | None, list[dict[str, Any]]]:
+    """Seconds of CUDA kernel time per ``fn()`` (the profiler's), without the host's launch gaps, and the ``top``
+    kernels by their time: rows of ``what`` "kernel", its ``name`` (cut to 120 characters), ``ms`` per call of
+    ``fn`` and ``launches`` per call, ``share`` of the kernel time. (None, []) on a CPU."""
     if device() != "cuda":
-        return None
+        return None, []
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in profile.key_averages()) / 1e6 / iters
+    events = [e for e in profile.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / 1e6 / iters
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    table = [
+        {
+            "what": "kernel",
+            "name": e.key[:120],
+            "ms": e.self_device_time_total / 1e3 / iters,
+            "launches": e.count / iters,
+            "share": e.self_device_time_total / 1e6 / iters / busy,
+        }
+        for e in events[:top]
+    ]
+    return busy, table
 
 
 def layers_of(shape: str) -> list[tuple[int, int]]:
@@ -122,7 +139,7 @@ def lora_speed(shape: str) -> list[dict[str, Any]]:
             if device() == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             row[f"{name}_s"] = seconds(forward_backward(model, inputs), iters=5)
-            row[f"{name}_kernel_s"] = kernel_seconds(forward_backward(model, inputs))
+            row[f"{name}_kernel_s"], _ = kernel_profile(forward_backward(model, inputs))
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device() == "cuda" else None
         row["ratio"] = row["merge_aware_s"] / row["peft_s"]
         return row
@@ -512,6 +529,12 @@ def training_step(shape: str) -> list[dict[str, Any]]:
                 row["plan_above_weights_gib"] = (estimate + lora_gradients) / 2**30
                 row["measured_over_plan"] = row["measured_above_weights_gib"] / row["plan_above_weights_gib"]
             rows.append(row)
+    fitted = [row["micro_batch"] for row in rows if not row["gradient_checkpointing"] and "s" in row]
+    if fitted:  # where the device time of the fastest way goes (checkpointing is off from the last sweep on)
+        busy, kernels = kernel_profile(functools.partial(step, max(fitted)), iters=1, top=KERNEL_TABLE_ROWS)
+        if busy is not None:
+            rows.append({"what": "device busy", "micro_batch": max(fitted), "kernel_s": busy})
+        rows.extend(kernels)
     return rows
 
 
@@ -548,9 +571,10 @@ def generate_speed(shape: str) -> list[dict[str, Any]]:
             if floor and batch == GENERATION_BATCH:
                 row["over_bandwidth_floor"] = wall / floor
             rows.append(row)
-        busy = kernel_seconds(generate(GENERATION_BATCH, 0), iters=1)
+        busy, kernels = kernel_profile(generate(GENERATION_BATCH, 0), iters=1, top=KERNEL_TABLE_ROWS)
         if busy is not None:
             rows.append({"what": "device busy share", "kernel_s": busy, "share": busy / rows[0]["s"]})
+        rows.extend(kernels)
     return rows
 
 
