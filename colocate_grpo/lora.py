@@ -174,11 +174,19 @@ def lora_gradients(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """dL/dA = s (G B)^T X and dL/dB = s G^T (X A^T) of a layer computing x @ (W + s B A)^T, in low rank: never the
     (out, in) dL/dW. ``grad`` G (tokens, out) and ``x`` X (tokens, in) in the dtype the GEMMs run in (the compute
-    dtype, or fp32 on a CPU: see :class:`_MergeAwareLinear`), with fp32 accumulation (PEFT's precision under
+    dtype, or fp32 on a CPU: :func:`gemm_dtype`), with fp32 accumulation (PEFT's precision under
     autocast); the results in A's and B's dtypes (None where not needed)."""
     grad_A = ((grad @ lora_B.to(grad.dtype)).T @ x).float().mul_(scaling).to(lora_A.dtype) if need_A else None
     grad_B = (grad.T @ (x @ lora_A.to(x.dtype).T)).float().mul_(scaling).to(lora_B.dtype) if need_B else None
     return grad_A, grad_B
+
+
+def gemm_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype merge-aware LoRA's GEMMs run in on ``device`` for a compute ``dtype``: that dtype on a GPU; fp32 on a
+    CPU, on the same values exactly upcast, with one rounding to ``dtype`` at the end (fp32 accumulation, as a bf16
+    GEMM has on a GPU). A CPU without bf16 units (AVX2) ran the tiny model's bf16 GEMMs 10 to 60 times slower than
+    fp32 ones."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 class _MergeAwareLinear(torch.autograd.Function):
@@ -186,8 +194,8 @@ class _MergeAwareLinear(torch.autograd.Function):
 
     Saves x only (W, A, B are parameters): the merged weight is rebuilt in backward rather than
     kept, and the A and B gradients are computed in low rank, never forming the (out, in) dL/dW.
-    Their GEMMs run on values of the compute dtype with fp32 accumulation (PEFT's precision under autocast): in that
-    dtype on a GPU, in fp32 on a CPU.
+    Every GEMM runs on values of the compute dtype with fp32 accumulation (PEFT's precision under autocast), in
+    :func:`gemm_dtype`: in that dtype on a GPU, in fp32 on a CPU.
     """
 
     @staticmethod
@@ -196,22 +204,22 @@ class _MergeAwareLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight, lora_A, lora_B)
         ctx.scaling, ctx.dtype = scaling, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return F.linear(x.to(dtype), merged, None if bias is None else bias.to(dtype))
+        gemm = gemm_dtype(x.device, dtype)
+        bias = None if bias is None else bias.to(dtype).to(gemm)
+        return F.linear(x.to(dtype).to(gemm), merged.to(gemm), bias).to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         x, weight, lora_A, lora_B = ctx.saved_tensors
         s, dtype = ctx.scaling, ctx.dtype
         grad_x = grad_bias = None
-        # GEMMs on values of the compute dtype with fp32 accumulation, as PEFT's LoRA runs under autocast: on a GPU
-        # in that dtype, as casting the (tokens, features) activations and gradients to fp32 would cost more than the
-        # matmuls; on a CPU in fp32 (the same values, exactly), as a CPU without bf16 units (AVX2) ran the tiny model's
-        # bf16 GEMMs 40 to 60 times slower than fp32 ones.
-        gemm_dtype = torch.float32 if grad_out.device.type == "cpu" else dtype
-        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype).to(gemm_dtype)
-        flat_x = x.reshape(-1, x.shape[-1]).to(dtype).to(gemm_dtype)
+        # On a GPU the GEMMs run in the compute dtype, as casting the (tokens, features) activations and gradients to
+        # fp32 would cost more than the matmuls.
+        gemm = gemm_dtype(grad_out.device, dtype)
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype).to(gemm)
+        flat_x = x.reshape(-1, x.shape[-1]).to(dtype).to(gemm)
         if ctx.needs_input_grad[0]:
-            merged = merged_weight(weight, lora_A, lora_B, s, dtype).to(gemm_dtype)
+            merged = merged_weight(weight, lora_A, lora_B, s, dtype).to(gemm)
             grad_x = (flat_grad @ merged).reshape(x.shape).to(x.dtype)
         grad_A, grad_B = lora_gradients(
             flat_grad, flat_x, lora_A, lora_B, s, ctx.needs_input_grad[3], ctx.needs_input_grad[4]

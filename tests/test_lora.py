@@ -40,6 +40,11 @@ def peft_model(seed: int = 0, dropout: float = 0.0, dtype=torch.bfloat16, **extr
     return model
 
 
+def cpu_linear(x, weight, bias=None):
+    """``x @ weight^T + bias`` as merge-aware LoRA computes it on a CPU: the same values in fp32, rounded once."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
 def base_weights(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
 
@@ -84,7 +89,7 @@ def test_forward_uses_the_merged_cast_weight_bitwise(dtype):
     lora_A, lora_B = torch.randn(4, 32) * 1e-2, torch.randn(24, 4) * 1e-2
     merged = merged_weight(weight, lora_A, lora_B, 2.0, dtype)
     y = merge_aware_linear(x, weight, None, lora_A, lora_B, 2.0, dtype)
-    assert y.dtype == dtype and torch.equal(y, F.linear(x, merged))
+    assert y.dtype == dtype and torch.equal(y, cpu_linear(x, merged))
 
 
 def test_fp16_mode_serves_fp16_weights():
@@ -94,7 +99,7 @@ def test_fp16_mode_serves_fp16_weights():
     assert layer.merge_dtype == torch.float16
     x = torch.randn(3, 64).to(torch.float16)
     merged = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.float16)
-    assert torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+    assert torch.equal(layer(x), cpu_linear(x, merged, layer.base_layer.bias))
 
 
 def test_several_active_adapters_are_refused():
@@ -146,7 +151,7 @@ def test_merge_aware_layer_matches_its_merged_weight_and_respects_disable_adapte
     assert isinstance(layer, MergeAwareLoraLinear)
     x = torch.randn(3, 64).to(torch.bfloat16)
     merged = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.bfloat16)
-    assert torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+    assert torch.equal(layer(x), cpu_linear(x, merged, layer.base_layer.bias))
     with model.disable_adapter():
         assert torch.equal(layer(x), layer.base_layer(x))
 
@@ -158,9 +163,9 @@ def test_dropout_uses_the_residual_form_and_is_exact_in_eval():
     x = torch.randn(3, 64).to(torch.bfloat16)
     merged = merged_weight(layer.base_layer.weight, *lora_factors(layer), torch.bfloat16)
     model.eval()
-    assert torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+    assert torch.equal(layer(x), cpu_linear(x, merged, layer.base_layer.bias))
     model.train()
-    assert not torch.equal(layer(x), F.linear(x, merged, layer.base_layer.bias))
+    assert not torch.equal(layer(x), cpu_linear(x, merged, layer.base_layer.bias))
 
 
 def test_dora_is_rejected_with_a_clear_message():
