@@ -134,10 +134,10 @@ def test_a_killed_run_resumes_from_its_newest_complete_checkpoint_with_each_step
     assert checkpoint_damage(folder / "checkpoint-6") is None and not (folder / LOCK).exists()
 
 
-def test_a_fresh_run_into_an_earlier_runs_folder_is_refused_with_the_choices(killed_run, tmp_path):
+def test_a_fresh_run_into_an_earlier_runs_folder_is_refused_with_the_choices(run_cli, killed_run, tmp_path):
     folder = copy_of(killed_run, tmp_path)
     before = (folder / "metrics.jsonl").read_bytes()
-    fresh = cli(write_config(tmp_path / "cfg.yaml", tiny(folder)))
+    fresh = run_cli(write_config(tmp_path / "cfg.yaml", tiny(folder)), cwd=tmp_path)
     assert fresh.returncode == 2, fresh.stderr
     assert f"'output_dir: {folder}' holds an earlier run (checkpoint-2, checkpoint-4, checkpoint-6, metrics.jsonl)" in (
         fresh.stderr
