@@ -33,6 +33,12 @@ def heap_frozen_at_each_test():
         gc.freeze()
 
 
+def pytest_sessionfinish() -> None:
+    """The heap unfrozen for the interpreter's exit: frozen objects are not freed there, which nanobind (Triton's
+    bindings) reports as leaks."""
+    gc.unfreeze()
+
+
 def force_cpu_gemm_route(monkeypatch: pytest.MonkeyPatch, route: str) -> None:
     """Make vLLM's CPU linear dispatch choose ``route`` for every linear layer it loads.
 
