@@ -79,20 +79,20 @@ def kernel_profile(fn: Callable[[], object], iters: int = 3, top: int = 0) -> tu
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    events = [e for e in profile.key_averages() if e.self_device_time_total > 0]
-    busy = sum(e.self_device_time_total for e in events) / 1e6 / iters
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    kernels = (e for e in profile.key_averages() if e.self_device_time_total > 0)  # not the host's API calls
+    events = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+    total_us = sum(e.self_device_time_total for e in events)
     table = [
         {
             "what": "kernel",
             "name": e.key[:120],
             "ms": e.self_device_time_total / 1e3 / iters,
             "launches": e.count / iters,
-            "share": e.self_device_time_total / 1e6 / iters / busy,
+            "share": e.self_device_time_total / total_us,
         }
         for e in events[:top]
     ]
-    return busy, table
+    return total_us / 1e6 / iters, table
 
 
 def layers_of(shape: str) -> list[tuple[int, int]]:
