@@ -307,9 +307,11 @@ def _grpo_fields() -> dict[str, Any]:
 
 
 def suggestions() -> dict[str, str]:
-    """Names a misspelt top-level key may have meant, spelled where they go (``trl.num_generations``)."""
+    """Names a misspelt top-level key may have meant, spelled where they go (``trl.num_generations``; another
+    tool's ``model_name`` as ``base_model``). Another tool's keys that a run drops or refuses are left out: writing
+    one would change nothing."""
     spelled = {name: f"trl.{name}" for name in _grpo_fields()}
-    spelled.update({name: name for name in FOREIGN_KEYS})
+    spelled.update({name: rule.target for name, rule in FOREIGN_KEYS.items() if rule.target is not None})
     spelled.update({name: f"dataset.{name}" for name in _field_names(DatasetConfig) if name != "path"})
     spelled.update({name: f"vllm.{name}" for name in _field_names(VLLMConfig)})
     return spelled

@@ -79,6 +79,7 @@ def test_yaml_1_1_exponent_without_dot_is_a_number():
     ("raw", "expected"),
     [
         ({"lora_rr": 8}, ["Unknown key 'lora_rr'", "Did you mean 'lora_r'"]),
+        ({"model": "gpt2"}, ["Unknown key 'model'", "Did you mean 'base_model'"]),  # not a key a run drops
         ({"vllm": {"gpu_memory_utilisation": 0.3}}, ["'vllm.gpu_memory_utilisation'", "gpu_memory_utilization"]),
         ({"trl": {"num_generation": 8}}, ["'trl.num_generation'", "num_generations"]),
         ({"lora_r": "big"}, ["'lora_r' must be an integer", "'big'"]),
