@@ -5,8 +5,10 @@ writable folder, takes the folder's lock (``run.lock``, held until the run ends,
 run is refused; a lock left by a killed run is taken over with a warning), refuses a fresh run into a folder
 that holds an earlier run's checkpoints or metrics (``latest`` could otherwise continue from the other run),
 and picks and checks the checkpoint a resumed run continues from (:mod:`colocate_grpo.checkpoints`).
-:meth:`OutputDir.begin`, once the model and the engine are up, clears the earlier run
-(``overwrite_output_dir``) or repairs the metrics file for the resume (:mod:`colocate_grpo.metrics_file`).
+:meth:`OutputDir.begin`, as the trainer's ``train()`` starts (the lock taken there if the check did not take
+it), clears the earlier run (``overwrite_output_dir``) or repairs the metrics file for the resume
+(:mod:`colocate_grpo.metrics_file`); a fresh run finding an earlier one there (a second ``train()`` into the folder)
+is refused then too.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class OutputDir:
         self.path = Path(config.output_dir)
         self.resume = resume
         self.overwrite = config.overwrite_output_dir
+        self.fresh = config.resume_from_checkpoint is None
         self._fd: int | None = None
         self._created: list[Path] = []  # folders made for the lock, removed again if the run leaves them empty
 
@@ -131,6 +134,13 @@ class OutputDir:
     def checkpoint(self) -> str | None:
         """The checkpoint folder to hand to ``trainer.train(resume_from_checkpoint=...)``."""
         return None if self.resume is None else str(self.resume.folder)
+
+    def claim(self) -> bool:
+        """Take the folder's lock unless this object holds it (main process only): True if this call took it."""
+        if self._fd is not None or not _is_main_process():
+            return False
+        self.lock()
+        return True
 
     def lock(self) -> None:
         """Take the folder's lock, or refuse: held by a live run. A lock left by a dead run is taken over, warned."""
@@ -171,11 +181,17 @@ class OutputDir:
         _held[path] = fd
 
     def begin(self, metrics_path: Path) -> None:
-        """Make the folder ready to train into, once the model and the engine are up (main process only).
+        """Make the folder ready to train into, as training starts (main process only).
 
         A fresh run with ``overwrite_output_dir`` deletes the earlier run's checkpoints and metrics; a resumed run
         cuts its metrics file's torn lines and the records of the steps after its checkpoint, and says so.
+
+        Raises:
+            ConfigError: a fresh run without ``overwrite_output_dir`` finds an earlier run in the folder (one
+                trained there since the check: a second ``train()`` of the trainer, say).
         """
+        if self.fresh and not self.overwrite:
+            _refuse_earlier_run(self.path)
         if self.resume is None:
             if self.overwrite:
                 for folder in checkpoint_folders(self.path):
@@ -216,6 +232,25 @@ def _earlier_run(path: Path) -> list[str]:
     return found
 
 
+def _refuse_earlier_run(path: Path) -> None:
+    """Raise the refusal of a fresh run into ``path`` when it holds an earlier run, with the ways on."""
+    earlier = _earlier_run(path)
+    if not earlier:
+        return
+    sealed = newest_sealed(path)
+    resume = (
+        f"resume it with 'resume_from_checkpoint: latest' (its newest complete checkpoint is {sealed.name}), "
+        if sealed is not None
+        else ""
+    )
+    raise ConfigError(
+        f"'output_dir: {path}' holds an earlier run ({', '.join(earlier)}), and this run starts afresh: it "
+        "would overwrite that run's metrics and keep its checkpoints beside its own, so that 'latest' could "
+        f"later continue the other run. Either {resume}give this run another output_dir, or set "
+        f"'overwrite_output_dir: true' to delete the earlier run's {PREFIX}N folders and {METRICS} first."
+    )
+
+
 def check_output_dir(config: Config, claim: bool = True) -> OutputDir:
     """Check ``config``'s output folder before the model loads and, with ``claim``, take its lock.
 
@@ -244,20 +279,8 @@ def check_output_dir(config: Config, claim: bool = True) -> OutputDir:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     try:
-        earlier = _earlier_run(path) if config.resume_from_checkpoint is None else []
-        if earlier and not config.overwrite_output_dir:
-            sealed = newest_sealed(path)
-            resume = (
-                f"resume it with 'resume_from_checkpoint: latest' (its newest complete checkpoint is {sealed.name}), "
-                if sealed is not None
-                else ""
-            )
-            raise ConfigError(
-                f"'output_dir: {path}' holds an earlier run ({', '.join(earlier)}), and this run starts afresh: it "
-                "would overwrite that run's metrics and keep its checkpoints beside its own, so that 'latest' could "
-                f"later continue the other run. Either {resume}give this run another output_dir, or set "
-                f"'overwrite_output_dir: true' to delete the earlier run's {PREFIX}N folders and {METRICS} first."
-            )
+        if folder.fresh and not folder.overwrite:
+            _refuse_earlier_run(path)
         folder.resume = resume_point(config)
     except BaseException:
         folder.release()

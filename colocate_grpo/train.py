@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from transformers.trainer_callback import ProgressCallback
 
-from colocate_grpo.checkpoints import resume_point
 from colocate_grpo.config import OWN_TRL_KEYS, Config, ConfigError, Problems, load_config, packaged_configs
 from colocate_grpo.dashboard import LiveDashboard, PngWriter, summary
 from colocate_grpo.engine_state import GenerationWorkerError
@@ -30,7 +29,7 @@ from colocate_grpo.memory_plan import (
     refusal,
 )
 from colocate_grpo.metrics import REWARD_KEY, MetricsLog, first_and_last_tenth
-from colocate_grpo.output_dir import METRICS, check_output_dir
+from colocate_grpo.output_dir import METRICS, OutputDir, check_output_dir
 from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
@@ -120,16 +119,6 @@ def grpo_args(config: Config, device: str, dtype: Any, training: TrainingPlan | 
         return GRPOConfig(**ours, **trl_settings)
     except (ValueError, TypeError) as err:  # TRL's and transformers' own checks of the values
         raise ConfigError(f"TRL's GRPOConfig refuses the trl: settings: {err}") from None
-
-
-def resume_checkpoint(config: Config) -> str | None:
-    """The checkpoint folder ``resume_from_checkpoint`` names (``latest``: the newest complete one in output_dir).
-
-    Raises:
-        ConfigError: when it names no checkpoint, or an incomplete, damaged or incompatible one.
-    """
-    point = resume_point(config)
-    return None if point is None else str(point.folder)
 
 
 class _RewardProgress(ProgressCallback):
@@ -226,15 +215,23 @@ def build_trainer(
 ) -> ColocateGRPOTrainer:
     """A ready :class:`~colocate_grpo.trainer.ColocateGRPOTrainer` for ``config``; nothing written yet.
 
-    The trainer carries ``metrics`` (a :class:`MetricsLog`), ``run_config`` and ``plan``. Its engine is the
-    process's live one when that was built for the plan's engine (see ``shared_engine``).
-    ``trainer.close()`` (or ``with``) shuts the engine down for good.
+    The trainer carries ``metrics`` (a :class:`MetricsLog`), ``run_config``, ``run_folder`` and ``plan``. Its
+    engine is the process's live one when that was built for the plan's engine (see ``shared_engine``).
+    ``trainer.train()`` takes the output folder's lock while it trains, resumes from ``resume_from_checkpoint``
+    and clears or repairs the folder as ``train()`` does. ``trainer.close()`` (or ``with``) shuts the engine down
+    for good.
 
     Raises:
-        ConfigError: on bad input, before any model is loaded or any file is written.
+        ConfigError: on bad input, before any model is loaded or any file is written; the output folder is
+            checked as ``train()`` checks it (an earlier run there is refused unless resumed or overwritten).
     """
     if not isinstance(config, Config):
         config = load_config(default_config_path() if config is None else config)
+    return _build_trainer(config, callbacks, check_output_dir(config, claim=False))
+
+
+def _build_trainer(config: Config, callbacks: list | None, run_folder: OutputDir) -> ColocateGRPOTrainer:
+    """:func:`build_trainer` for a config whose output folder ``run_folder`` is checked."""
     from colocate_grpo import models
     from colocate_grpo.engine_registry import refuse_unservable_run
 
@@ -278,6 +275,7 @@ def build_trainer(
         trainer.add_callback(_RewardProgress())
     trainer.metrics = metrics
     trainer.run_config = config
+    trainer.run_folder = run_folder
     return trainer
 
 
@@ -306,10 +304,9 @@ def train(
     if not isinstance(config, Config):
         config = load_config(default_config_path() if config is None else config)
     run_folder = check_output_dir(config)  # refusals before anything loads; holds the folder's lock to the end
-    checkpoint = run_folder.checkpoint
     live = LiveDashboard() if dashboard else None  # on screen at once, while the model and the engine load
     try:
-        trainer = build_trainer(config, callbacks)
+        trainer = _build_trainer(config, callbacks, run_folder)
     except BaseException:
         run_folder.release()
         raise
@@ -317,7 +314,6 @@ def train(
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_main_process():
-        run_folder.begin(metrics.path)  # a fresh run's metrics start empty; a resumed one's end at its checkpoint
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         (output_dir / "plan.yaml").write_text(yaml.safe_dump(trainer.plan.to_dict(), sort_keys=False))
     if plots:
@@ -326,7 +322,7 @@ def train(
         live.history = metrics.history
         trainer.add_callback(live)
     try:
-        trainer.train(resume_from_checkpoint=checkpoint)  # out of memory: a DeviceMemoryError naming the phase
+        trainer.train()  # from the checkpoint run_folder names; out of memory: a DeviceMemoryError naming the phase
         trainer.save_model(str(output_dir))
         if config.save_merged and is_main_process():
             save_merged(trainer.model, output_dir / "merged", trainer.processing_class)

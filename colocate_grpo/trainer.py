@@ -572,15 +572,33 @@ class ColocateGRPOTrainer(GRPOTrainer):
         return self.vllm_generation.engine
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's ``train``. In a run built from a config (``build_trainer``: the CLI, ``train()``, notebooks), running
-        out of device memory raises a :class:`~colocate_grpo.memory_plan.DeviceMemoryError` naming the phase it
-        happened in (generate, sync, train, ...), the plan's numbers and the fixes, not torch's traceback."""
+        """TRL's ``train``. In a run built from a config (``build_trainer``: the CLI, ``train()``, notebooks):
+
+        - the output folder (``run_folder``) is held for the run: its lock taken unless held already, an earlier
+          run cleared (``overwrite_output_dir``) or a fresh run into one refused, a resumed run's metrics cut to
+          its checkpoint (:class:`~colocate_grpo.output_dir.OutputDir`);
+        - the run resumes from the config's ``resume_from_checkpoint`` unless the call names a checkpoint;
+        - running out of device memory raises a :class:`~colocate_grpo.memory_plan.DeviceMemoryError` naming the
+          phase it happened in (generate, sync, train, ...), the plan's numbers and the fixes, not torch's
+          traceback.
+        """
         config = getattr(self, "run_config", None)
         if config is None:  # direct use: the caller's own config names no keys to suggest
             return super().train(*args, **kwargs)
-        clock = self.vllm_generation.clock
-        with device_memory_errors(lambda: clock.failed_phase or "train", self.plan.memory, config, self.plan.training):
-            return super().train(*args, **kwargs)
+        folder = self.run_folder
+        claimed = folder.claim()
+        try:
+            if self.accelerator.is_main_process:
+                folder.begin(self.metrics.path)  # fresh metrics start empty; a resumed run's end at its checkpoint
+            if not args:
+                kwargs.setdefault("resume_from_checkpoint", folder.checkpoint)
+            clock = self.vllm_generation.clock
+            memory, training = self.plan.memory, self.plan.training
+            with device_memory_errors(lambda: clock.failed_phase or "train", memory, config, training):
+                return super().train(*args, **kwargs)
+        finally:
+            if claimed:
+                folder.release()
 
     def close(self) -> None:
         """Shut the engine down and return its memory. Safe to call twice.
