@@ -25,6 +25,7 @@ The shape ``tiny`` stands for a few small layers, for the CPU checks.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -449,7 +450,8 @@ def fp32_head_speed(shape: str) -> list[dict[str, Any]]:
 def training_step(shape: str) -> list[dict[str, Any]]:
     """One GRPO micro-batch's forward and backward as TRL computes it (the fused head, merge-aware LoRA r=16 on all
     linears, AdamW), by micro-batch and gradient checkpointing: the step's device memory above the weights
-    against the memory plan's estimate, its seconds and model FLOPs utilization."""
+    against the memory plan's estimate, its seconds and model FLOPs utilization; the top kernels of the largest
+    micro-batch without checkpointing and, on a GPU where ``liger-kernel`` is installed, :func:`liger_row`."""
     from kinds import ModelFlops, peak_bf16_flops
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2ForCausalLM
@@ -529,13 +531,49 @@ def training_step(shape: str) -> list[dict[str, Any]]:
                 row["plan_above_weights_gib"] = (estimate + lora_gradients) / 2**30
                 row["measured_over_plan"] = row["measured_above_weights_gib"] / row["plan_above_weights_gib"]
             rows.append(row)
-    fitted = [row["micro_batch"] for row in rows if not row["gradient_checkpointing"] and "s" in row]
+    fitted = {row["micro_batch"]: row["s"] for row in rows if not row["gradient_checkpointing"] and "s" in row}
     if fitted:  # where the device time of the fastest way goes (checkpointing is off from the last sweep on)
-        busy, kernels = kernel_profile(functools.partial(step, max(fitted)), iters=1, top=KERNEL_TABLE_ROWS)
+        largest = max(fitted)
+        busy, kernels = kernel_profile(functools.partial(step, largest), iters=1, top=KERNEL_TABLE_ROWS)
         if busy is not None:
-            rows.append({"what": "device busy", "micro_batch": max(fitted), "kernel_s": busy})
+            rows.append({"what": "device busy", "micro_batch": largest, "kernel_s": busy})
         rows.extend(kernels)
+        if device() == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
+            try:  # a failure here keeps the rows above
+                rows.append(
+                    liger_row(base, functools.partial(step, largest), fitted[largest], config.vocab_size, sequence)
+                )
+            except Exception as error:  # noqa: BLE001
+                rows.append({"what": "liger rms_norm swiglu rope", "failed": repr(error)[:300]})
     return rows
+
+
+def liger_row(
+    base: torch.nn.Module, step: Callable[[], None], plain_s: float, vocab: int, sequence: int
+) -> dict[str, Any]:
+    """The same step with Liger's RMSNorm, SwiGLU and RoPE kernels patched into ``base`` (the head left to TRL's
+    fused one): its seconds against ``plain_s``, and the largest difference it makes to 8 sequences' token
+    log-probabilities. Patches the model in place: measured last."""
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+    ids = torch.randint(1, vocab, (8, sequence), generator=torch.Generator().manual_seed(1)).to(device())
+
+    @torch.no_grad()
+    def logps() -> torch.Tensor:
+        with torch.autocast(device(), dtype=torch.bfloat16):
+            out = base(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, fused_lm_head=True)
+        return out.log_probs.float()
+
+    before = logps()
+    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=False, model=base)
+    difference = (logps() - before).abs().max().item()
+    liger_s = seconds(step, warmup=1, iters=3)
+    return {
+        "what": "liger rms_norm swiglu rope",
+        "s": liger_s,
+        "speedup": plain_s / liger_s,
+        "max_logp_diff": difference,
+    }
 
 
 def generate_speed(shape: str) -> list[dict[str, Any]]:
