@@ -34,7 +34,7 @@ from colocate_grpo.plan import RunPlan, plan_run, read_device_memory
 from colocate_grpo.rewards import RewardError
 from colocate_grpo.sync import save_merged
 from colocate_grpo.training_plan import TrainingPlan
-from colocate_grpo.validation import bitwise_problems, precision_problems
+from colocate_grpo.validation import bitwise_problems, liger_problems, precision_problems
 
 if TYPE_CHECKING:  # importing the trainer imports vLLM: deferred until the input is known good
     from colocate_grpo.trainer import ColocateGRPOTrainer
@@ -174,6 +174,7 @@ def check_inputs(config: Config) -> RunInputs:
     dtype = models.training_dtype(device)
     problems.found.extend(precision_problems(config, dtype))
     problems.found.extend(bitwise_problems(config, device, path, bool(config.trl.get("trust_remote_code"))))
+    problems.found.extend(liger_problems(config, device))
     with problems.catch():
         args = grpo_args(config, device, dtype)
     problems.raise_if_any()

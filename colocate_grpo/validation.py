@@ -397,6 +397,25 @@ def bitwise_problems(config: Config, device: str, model_path: str | None, trust_
     return found
 
 
+def liger_problems(config: Config, device: str) -> list[str]:
+    """``trl.use_liger_kernel`` (transformers patches Liger's RMSNorm, SwiGLU and RoPE kernels into the model as the
+    trainer starts) against what it needs: the package, a GPU (its kernels are Triton's), and no bitwise mode."""
+    if not config.trl.get("use_liger_kernel"):
+        return []
+    key = "'trl.use_liger_kernel: true'"
+    if device != "cuda":
+        return [f"{key} runs Liger's Triton kernels, which need a CUDA GPU, and this run trains on the CPU: remove it."]
+    found = []
+    if importlib.util.find_spec("liger_kernel") is None:
+        found.append(f"{key} needs the liger-kernel package: 'pip install liger-kernel', or remove the key.")
+    if config.trl.get("vllm_bitwise_logprobs"):
+        found.append(
+            f"{key} replaces the trainer's kernels, and '{BITWISE_KEY}: true' needs vLLM's batch-invariant ones on "
+            "both sides: remove one of them."
+        )
+    return found
+
+
 def _check_trl_block(trl: dict[str, Any], problems: Problems) -> None:
     from trl import GRPOConfig  # deferred: importing TRL takes seconds, the rest of this module doesn't
 

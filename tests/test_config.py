@@ -169,6 +169,7 @@ def test_the_cli_process_exits_2_with_one_line(tmp_path):
         ("output_dir: out\ntrl: [1\n", "not valid YAML"),
         ("output_dir: out\nbase_model: ./no/such/model\n", "not a model directory"),
         ("output_dir: out\ntrl:\n  reward_funcs: [no_such_module.reward]\n", "cannot import module"),
+        ("output_dir: out\ntrl:\n  use_liger_kernel: true\n", "'trl.use_liger_kernel: true'"),  # CPU or package
     ],
 )
 def test_cli_bad_input_exits_2_with_one_message_and_writes_nothing(run_cli, tmp_path, text, fragment):
@@ -320,3 +321,21 @@ def test_a_4bit_base_runs_on_the_cpu_and_is_refused_without_bitsandbytes(monkeyp
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ConfigError, match=r"needs bitsandbytes.*\[quant\]"):
         resolve_device(config)
+
+
+def test_liger_kernels_are_refused_where_they_cannot_run():
+    from colocate_grpo.validation import liger_problems
+
+    liger = load_config({"trl": {"use_liger_kernel": True, "vllm_bitwise_logprobs": True}})
+    assert liger_problems(load_config({}), "cpu") == []
+    (on_cpu,) = liger_problems(liger, "cpu")
+    assert "need a CUDA GPU" in on_cpu and "remove it" in on_cpu
+    on_gpu = liger_problems(liger, "cuda")
+    assert any("batch-invariant" in problem for problem in on_gpu)
+    assert any("pip install liger-kernel" in problem for problem in on_gpu) is (not _liger_installed())
+
+
+def _liger_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
