@@ -98,10 +98,11 @@ EXPERIMENTS = {
         Experiment(
             "training-options",
             "training",
-            "The training phase: the user's defaults, and each option off (grouping by length, gradient checkpointing, "
-            "the fused AdamW), on completions of varied length: train phase, model FLOPs, MFU, padding",
+            "The training phase: the user's defaults, each option off (grouping by length, gradient checkpointing, "
+            "the fused AdamW), and Liger's kernels on, on completions of varied length: train phase, model FLOPs, MFU, "
+            "padding",
             shapes=("1.5B-stops", "7B-stops"),
-            kinds=("user", "user-no-grouping", "user-checkpointing", "user-adamw-unfused"),
+            kinds=("user", "user-no-grouping", "user-checkpointing", "user-adamw-unfused", "user-liger"),
             micro_batch=8,  # the user's default micro-batch: 8 of them make a step's 64 completions
             steps=8,
             check={**TINY, "kinds": ("user", "user-no-grouping")},

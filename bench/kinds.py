@@ -14,7 +14,8 @@ Kinds:
 - ``user``: colocate_grpo as a user runs it, ``build_trainer`` with the plain config (model, dataset, reward,
   batch keys, nothing else); ``user-merged``, ``user-adapter``, ``user-4bit``, ``user-fp32-head`` add the one
   key that serves the policy another way or computes the logits in fp32, and ``user-no-grouping``,
-  ``user-checkpointing``, ``user-adamw-unfused`` the one that turns a training option off (``USER_KEYS``).
+  ``user-checkpointing``, ``user-adamw-unfused`` the one that turns a training option off, ``user-liger`` the one that
+  patches Liger's RMSNorm, SwiGLU and RoPE kernels into the trainer's model (``USER_KEYS``).
 - ``ours``, ``ours-ma``, ``ours-adapter``: ``ColocateGRPOTrainer`` with stock's PEFT model and TRL arguments:
   ordinary LoRA merged, merge-aware LoRA, and the adapter served by vLLM's LoRA kernels.
 - ``unsloth``, ``unsloth-4bit``: Unsloth's patched ``GRPOTrainer`` as its GRPO notebooks run it (fast inference,
@@ -114,6 +115,7 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-no-grouping": {"group_by_length": False},
     "user-checkpointing": {"gradient_checkpointing": True},
     "user-adamw-unfused": {"trl": {"optim": "adamw_torch"}},
+    "user-liger": {"trl": {"use_liger_kernel": True}},
     "user-bitwise": {"trl": {"vllm_bitwise_logprobs": True}},
     "user-async": {"async_generation": True},
     "user-seed1": {"seed": 1},
@@ -334,6 +336,9 @@ KINDS: dict[str, Kind] = {
     "user-no-grouping": Kind("user-no-grouping", "user + group_by_length: false (TRL's padding)", build_user),
     "user-checkpointing": Kind("user-checkpointing", "user + gradient_checkpointing: true", build_user),
     "user-adamw-unfused": Kind("user-adamw-unfused", "user + trl.optim: adamw_torch (not fused)", build_user),
+    "user-liger": Kind(
+        "user-liger", "user + trl.use_liger_kernel: true (Liger's RMSNorm, SwiGLU, RoPE; GPU, liger-kernel)", build_user
+    ),
     "user-bitwise": Kind(
         "user-bitwise",
         "user + trl.vllm_bitwise_logprobs: true (vLLM's batch-invariant kernels on both sides)",
