@@ -544,8 +544,11 @@ def training_step(shape: str) -> list[dict[str, Any]]:
                     liger_row(base, functools.partial(step, largest), fitted[largest], config.vocab_size, sequence)
                 )
             except Exception as error:  # noqa: BLE001
-                rows.append({"what": "liger rms_norm swiglu rope", "failed": repr(error)[:300]})
+                rows.append({"what": LIGER_ROW, "failed": repr(error)[:300]})
     return rows
+
+
+LIGER_ROW = "liger rms_norm swiglu rope"  # the training-step row of the step with Liger's kernels
 
 
 def liger_row(
@@ -569,7 +572,7 @@ def liger_row(
     difference = (logps() - before).abs().max().item()
     liger_s = seconds(step, warmup=1, iters=3)
     return {
-        "what": "liger rms_norm swiglu rope",
+        "what": LIGER_ROW,
         "s": liger_s,
         "speedup": plain_s / liger_s,
         "max_logp_diff": difference,
@@ -606,8 +609,13 @@ def generate_speed(shape: str) -> list[dict[str, Any]]:
 
         # flat_logprobs: vLLM's log-probabilities as a few flat lists a sequence instead of a dict and an object per
         # token (fewer Python objects made each decode step, the host's share of a step).
-        variants = ((GENERATION_BATCH, 0, False), (GENERATION_BATCH, None, False), (GENERATION_BATCH // 2, 0, False))
-        for batch, logprobs, flat in (*variants, (GENERATION_BATCH, 0, True)):
+        variants = [
+            (GENERATION_BATCH, 0, False),
+            (GENERATION_BATCH, None, False),
+            (GENERATION_BATCH // 2, 0, False),
+            (GENERATION_BATCH, 0, True),
+        ]
+        for batch, logprobs, flat in variants:
             wall = seconds(generate(batch, logprobs, flat), warmup=1, iters=3)
             generated = sum(len(o.outputs[0].token_ids) for o in generate(batch, logprobs, flat)())
             row = {"batch": batch, "logprobs": logprobs, "flat_logprobs": flat, "s": wall}

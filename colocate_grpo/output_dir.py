@@ -126,7 +126,6 @@ class OutputDir:
         self.path = Path(config.output_dir)
         self.resume = resume
         self.overwrite = config.overwrite_output_dir
-        self.fresh = config.resume_from_checkpoint is None
         self._fd: int | None = None
         self._created: list[Path] = []  # folders made for the lock, removed again if the run leaves them empty
 
@@ -190,9 +189,8 @@ class OutputDir:
             ConfigError: a fresh run without ``overwrite_output_dir`` finds an earlier run in the folder (one
                 trained there since the check: a second ``train()`` of the trainer, say).
         """
-        if self.fresh and not self.overwrite:
-            _refuse_earlier_run(self.path)
         if self.resume is None:
+            self.refuse_earlier_run()
             if self.overwrite:
                 for folder in checkpoint_folders(self.path):
                     shutil.rmtree(folder)
@@ -202,6 +200,29 @@ class OutputDir:
         message = repair.describe(metrics_path, self.resume.step)
         if message:
             logger.warning("%s", message)
+
+    def refuse_earlier_run(self) -> None:
+        """Refuse a fresh run without ``overwrite_output_dir`` into the folder while it holds an earlier run: its
+        checkpoint folders or a non-empty metrics file (``latest`` could otherwise continue from the other run).
+
+        Raises:
+            ConfigError: with the choices: resume it, another output_dir, or ``overwrite_output_dir: true``.
+        """
+        earlier = [] if self.overwrite else _earlier_run(self.path)
+        if not earlier:
+            return
+        sealed = newest_sealed(self.path)
+        resume = (
+            f"resume it with 'resume_from_checkpoint: latest' (its newest complete checkpoint is {sealed.name}), "
+            if sealed is not None
+            else ""
+        )
+        raise ConfigError(
+            f"'output_dir: {self.path}' holds an earlier run ({', '.join(earlier)}), and this run starts afresh: it "
+            "would overwrite that run's metrics and keep its checkpoints beside its own, so that 'latest' could "
+            f"later continue the other run. Either {resume}give this run another output_dir, or set "
+            f"'overwrite_output_dir: true' to delete the earlier run's {PREFIX}N folders and {METRICS} first."
+        )
 
     def release(self) -> None:
         """Let go of the folder's lock (removing the lock file). Safe to call twice, and where none is held."""
@@ -232,25 +253,6 @@ def _earlier_run(path: Path) -> list[str]:
     return found
 
 
-def _refuse_earlier_run(path: Path) -> None:
-    """Raise the refusal of a fresh run into ``path`` when it holds an earlier run, with the ways on."""
-    earlier = _earlier_run(path)
-    if not earlier:
-        return
-    sealed = newest_sealed(path)
-    resume = (
-        f"resume it with 'resume_from_checkpoint: latest' (its newest complete checkpoint is {sealed.name}), "
-        if sealed is not None
-        else ""
-    )
-    raise ConfigError(
-        f"'output_dir: {path}' holds an earlier run ({', '.join(earlier)}), and this run starts afresh: it "
-        "would overwrite that run's metrics and keep its checkpoints beside its own, so that 'latest' could "
-        f"later continue the other run. Either {resume}give this run another output_dir, or set "
-        f"'overwrite_output_dir: true' to delete the earlier run's {PREFIX}N folders and {METRICS} first."
-    )
-
-
 def check_output_dir(config: Config, claim: bool = True) -> OutputDir:
     """Check ``config``'s output folder before the model loads and, with ``claim``, take its lock.
 
@@ -279,9 +281,9 @@ def check_output_dir(config: Config, claim: bool = True) -> OutputDir:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     try:
-        if folder.fresh and not folder.overwrite:
-            _refuse_earlier_run(path)
-        folder.resume = resume_point(config)
+        folder.resume = resume_point(config)  # None for a fresh run
+        if folder.resume is None:
+            folder.refuse_earlier_run()
     except BaseException:
         folder.release()
         raise

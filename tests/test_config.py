@@ -1,6 +1,7 @@
 """The validator on good and bad configs, and the CLI's exit codes and messages."""
 
 import contextlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -332,10 +333,5 @@ def test_liger_kernels_are_refused_where_they_cannot_run():
     assert "need a CUDA GPU" in on_cpu and "remove it" in on_cpu
     on_gpu = liger_problems(liger, "cuda")
     assert any("batch-invariant" in problem for problem in on_gpu)
-    assert any("pip install liger-kernel" in problem for problem in on_gpu) is (not _liger_installed())
-
-
-def _liger_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("liger_kernel") is not None
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    assert any("pip install liger-kernel" in problem for problem in on_gpu) is (not installed)
