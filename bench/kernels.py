@@ -599,7 +599,7 @@ def generate_speed(shape: str) -> list[dict[str, Any]]:
     name = torch.cuda.get_device_name() if device() == "cuda" else ""
     floor = next((tokens * weights / value for key, value in bandwidth.items() if key in name), None)
     rows = []
-    with Engine(standalone_engine(path, max_num_seqs=GENERATION_BATCH)) as engine:
+    with Engine(standalone_engine(path, generation_batch=GENERATION_BATCH)) as engine:
 
         def generate(batch: int, logprobs: int | None, flat: bool = False) -> Callable[[], object]:
             params = SamplingParams(

@@ -81,8 +81,8 @@ class VLLMConfig:
     kv_cache: Literal["batch", "memory_fraction"] = field(
         default="batch",
         metadata={
-            "help": "KV cache size. batch: room for the generation batch at full length (max_num_seqs "
-            "sequences of the dataset's longest prompt + max_completion_length tokens), within "
+            "help": "KV cache size. batch: room for the generation batch at full length (TRL's generation batch "
+            "of sequences of the dataset's longest prompt + max_completion_length tokens), within "
             "gpu_memory_utilization (cpu_kv_cache_gib on CPU); the rest stays with training, and sleep and "
             "wake move less memory. Where the device has no room for that, the room there is (vLLM queues the "
             "rest). memory_fraction: all that gpu_memory_utilization leaves after the weights (TRL's sizing)."

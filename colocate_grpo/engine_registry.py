@@ -94,7 +94,7 @@ def shared_engine(spec: EngineSpec) -> Engine:
 
     Every sync pushes all weights, so an engine can serve one trainer after another: notebooks that
     re-run a training cell reuse it instead of starting (and leaking) another. An engine built for a smaller
-    generation batch (``max_num_seqs``, ``sequence_tokens``) is replaced on CPU; on a GPU, where it is the
+    generation batch (``generation_batch``, ``sequence_tokens``) is replaced on CPU; on a GPU, where it is the
     process's one sleep-mode engine, it is reused with a warning, generating the batch in several passes.
     """
     from colocate_grpo.engine import Engine

@@ -154,8 +154,8 @@ def _kv_values_per_token(text_config: object) -> int | None:
     return 2 * layers * kv_heads * head_dim
 
 
-def kv_cache_bytes(kv_bytes_per_token: int, max_num_seqs: int, sequence_tokens: int, max_model_len: int = 0) -> int:
-    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``sequence_tokens`` tokens at once, and never
+def kv_cache_bytes(kv_bytes_per_token: int, sequences: int, sequence_tokens: int, max_model_len: int = 0) -> int:
+    """Bytes of KV cache that hold ``sequences`` sequences of ``sequence_tokens`` tokens at once, and never
     less than one sequence of ``max_model_len`` tokens (vLLM does not start with less).
 
     Counts keys and values of every layer at full attention (an upper bound for sliding-window or hybrid models).
@@ -164,7 +164,7 @@ def kv_cache_bytes(kv_bytes_per_token: int, max_num_seqs: int, sequence_tokens: 
     def whole_blocks(tokens: int) -> int:  # and a block to spare: a sequence's last block is partly empty
         return (-(-tokens // _KV_BLOCK_TOKENS) + 1) * _KV_BLOCK_TOKENS
 
-    return kv_bytes_per_token * max(whole_blocks(sequence_tokens) * max_num_seqs, whole_blocks(max_model_len))
+    return kv_bytes_per_token * max(whole_blocks(sequence_tokens) * sequences, whole_blocks(max_model_len))
 
 
 def weight_bytes(shape: ModelShape, dtype: torch.dtype, four_bit: bool = False) -> int:

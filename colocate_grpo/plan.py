@@ -44,7 +44,7 @@ from colocate_grpo.on_policy import scores_in_training_forward, trl_scores_old_l
 from colocate_grpo.serving import AsyncMode, Serving
 from colocate_grpo.training_plan import TrainingPlan, fitting_training
 
-# The engine's batch (max_num_seqs) is TRL's generation batch and at least this. vLLM 0.26 crashed in its warm-up
+# vLLM's batch limit (max_num_seqs) is TRL's generation batch and at least this. vLLM 0.26 crashed in its warm-up
 # on the H200 with 16 (an illegal memory access) and ran with 64. Its own default there, 1024, costs memory that
 # sleep mode does not free (CUDA graphs for batches up to 512).
 MIN_NUM_SEQS = 64
@@ -62,7 +62,8 @@ class EngineSpec:
         max_lora_rank: the rank of its one adapter slot (a rank vLLM serves); None serves the weights alone.
         fp32_head: compute the logits in fp32 from the head's weights (``trl.cast_lm_head_to_fp32``).
         quantization: ``"bitsandbytes"`` quantizes the checkpoint to NF4 as it loads (a 4-bit base), else None.
-        max_num_seqs: sequences generated at once: TRL's generation batch, at least ``MIN_NUM_SEQS``.
+        generation_batch: sequences generated at once (TRL's generation batch): the KV cache holds them at full
+            length; vLLM's batch limit (``max_num_seqs``) is this, at least ``MIN_NUM_SEQS``.
         sequence_tokens: tokens one sequence takes at most (the longest prompt + the completion), for the KV cache.
         memory_fraction, kv_cache_bytes: vLLM's ``gpu_memory_utilization`` and ``kv_cache_memory_bytes`` (None: vLLM
             sizes the cache from the fraction).
@@ -81,7 +82,7 @@ class EngineSpec:
     fp32_head: bool
     quantization: str | None
     trust_remote_code: bool
-    max_num_seqs: int
+    generation_batch: int
     sequence_tokens: int | None
     memory_fraction: float
     kv_cache_bytes: int | None
@@ -89,6 +90,11 @@ class EngineSpec:
     batch_invariant: bool = False
     full_length_sequences: int | None = None
     nf4_values: bool = False
+
+    @property
+    def max_num_seqs(self) -> int:
+        """vLLM's batch limit: the generation batch, at least ``MIN_NUM_SEQS`` (vLLM's warm-up needs it)."""
+        return max(MIN_NUM_SEQS, self.generation_batch)
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -117,8 +123,13 @@ class EngineSpec:
     def batch_shortfall(self, wanted: EngineSpec) -> str | None:
         """What keeps an engine built for this spec from generating ``wanted``'s batch in one pass, in words."""
         shortfalls = []
-        if wanted.max_num_seqs > self.max_num_seqs:
-            shortfalls.append(f"{wanted.max_num_seqs} sequences at once where it generates {self.max_num_seqs}")
+        # A KV cache sized for the batch holds its sequences at full length; one sized by the memory fraction, vLLM's
+        # batch limit.
+        sized_by_batch = self.options.kv_cache == "batch"
+        at_once = self.generation_batch if sized_by_batch else self.max_num_seqs
+        wanted_at_once = wanted.generation_batch if sized_by_batch else wanted.max_num_seqs
+        if wanted_at_once > at_once:
+            shortfalls.append(f"{wanted_at_once} sequences at once where it generates {at_once}")
         cache_sized = self.options.kv_cache == "batch" and wanted.sequence_tokens and self.sequence_tokens
         if cache_sized and wanted.sequence_tokens > self.sequence_tokens:
             shortfalls.append(
@@ -221,10 +232,10 @@ class RunPlan:
             cache = f"KV cache sized by vLLM from gpu_memory_utilization={engine.memory_fraction:.2g}"
         else:
             cache = f"KV cache {size_text(engine.kv_cache_bytes)}"
-        at_once = f"{engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens at once"
+        at_once = f"{engine.generation_batch} sequences of up to {engine.sequence_tokens} tokens at once"
         if engine.full_length_sequences is not None:
             at_once = (
-                f"{engine.max_num_seqs} sequences of up to {engine.sequence_tokens} tokens, "
+                f"{engine.generation_batch} sequences of up to {engine.sequence_tokens} tokens, "
                 f"{engine.full_length_sequences} at once at full length (the device has no room for the whole "
                 "batch's KV cache: vLLM queues the rest)"
             )
@@ -260,7 +271,14 @@ class RunPlan:
                 **self.engine.identity,
                 **{
                     name: getattr(self.engine, name)
-                    for name in ("max_num_seqs", "sequence_tokens", "memory_fraction", "kv_cache_bytes", "seed")
+                    for name in (
+                        "generation_batch",
+                        "max_num_seqs",
+                        "sequence_tokens",
+                        "memory_fraction",
+                        "kv_cache_bytes",
+                        "seed",
+                    )
                 },
             },
             "training": dataclasses.asdict(self.training),
@@ -507,7 +525,7 @@ def _derive(
         shape=shape,
         budget=args.vllm_max_model_length,
         # TRL's generation batch, as GRPOTrainer gives it to VLLMGeneration (one engine per rank: no tensor parallel).
-        max_num_seqs=max(MIN_NUM_SEQS, args.per_device_train_batch_size * args.steps_per_generation),
+        generation_batch=args.per_device_train_batch_size * args.steps_per_generation,
         sequence_tokens=sequence_tokens,
         max_lora_rank=engine_lora_rank(lora.rank) if serving.serves_adapter and lora else None,
         fp32_head=fp32_head,
@@ -598,14 +616,14 @@ def standalone_engine(
     model_path: str,
     options: VLLMConfig | None = None,
     *,
-    max_num_seqs: int = MIN_NUM_SEQS,
+    generation_batch: int = MIN_NUM_SEQS,
     dtype: torch.dtype = torch.bfloat16,
     max_lora_rank: int | None = None,
     fp32_head: bool = False,
     seed: int = 0,
 ) -> EngineSpec:
     """An engine for generating from ``model_path`` outside a training run (tests, benchmarks), sized as a run's
-    engine is: ``max_num_seqs`` sequences of ``max_model_len`` tokens (``vllm.max_model_len``, else the model's
+    engine is: ``generation_batch`` sequences of ``max_model_len`` tokens (``vllm.max_model_len``, else the model's
     context), on this process's device."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     options = options or VLLMConfig()
@@ -616,7 +634,7 @@ def standalone_engine(
         dtype=dtype if options.dtype == "auto" else getattr(torch, options.dtype),
         shape=model_shape(model_path),
         budget=None,
-        max_num_seqs=max_num_seqs,
+        generation_batch=generation_batch,
         sequence_tokens=None,
         max_lora_rank=max_lora_rank,
         fp32_head=fp32_head,
@@ -636,7 +654,7 @@ def _size_engine(
     dtype: torch.dtype,
     shape: ModelShape | None,
     budget: int | None,
-    max_num_seqs: int,
+    generation_batch: int,
     sequence_tokens: int | None,
     max_lora_rank: int | None,
     fp32_head: bool,
@@ -660,7 +678,7 @@ def _size_engine(
     kv_per_token = shape.kv_bytes_per_token(dtype) if shape is not None else None
     kv = full_length = None
     if kv_per_token and sequence_tokens:
-        kv = kv_cache_bytes(kv_per_token, max_num_seqs, sequence_tokens, max_model_len or 0)
+        kv = kv_cache_bytes(kv_per_token, generation_batch, sequence_tokens, max_model_len or 0)
         if kv_room is not None and kv_room < kv:
             kv = kv_room
             full_length = kv_room // kv_cache_bytes(kv_per_token, 1, sequence_tokens)
@@ -674,7 +692,7 @@ def _size_engine(
         fp32_head=fp32_head,
         quantization="bitsandbytes" if four_bit else None,
         trust_remote_code=trust_remote_code,
-        max_num_seqs=max_num_seqs,
+        generation_batch=generation_batch,
         sequence_tokens=sequence_tokens,
         memory_fraction=fraction,
         kv_cache_bytes=engine_kv,

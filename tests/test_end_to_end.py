@@ -14,6 +14,7 @@ from colocate_grpo.config import ConfigError, load_config
 from colocate_grpo.dashboard import summary
 from colocate_grpo.engine import EngineStateError, live_engine
 from colocate_grpo.memory_plan import kv_cache_bytes
+from colocate_grpo.plan import MIN_NUM_SEQS
 from colocate_grpo.sync import save_merged, served_weight_mismatches
 from colocate_grpo.train import build_trainer, check_inputs, default_config_path, train
 
@@ -246,7 +247,10 @@ def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
     config = tiny_config(tmp_path)
     trainer = build_trainer(config)
     vllm_config = trainer.engine.llm_engine.vllm_config
-    max_num_seqs, max_model_len = vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len
+    max_model_len = vllm_config.model_config.max_model_len
+    batch = trainer.engine.spec.generation_batch  # an earlier test's engine, reused, may hold a larger batch
+    assert batch >= trainer.args.generation_batch_size  # TRL's: the sequences one generation call samples
+    assert vllm_config.scheduler_config.max_num_seqs == max(MIN_NUM_SEQS, batch)
     assert max_model_len == 16 + 4  # max_prompt_length + max_completion_length: vllm.max_model_len is unset
     tokenizer = trainer.processing_class
     longest = max(len(tokenizer(p)["input_ids"]) for p in trainer.train_dataset["prompt"])
@@ -254,8 +258,8 @@ def test_the_kv_cache_holds_the_whole_generation_batch_at_full_length(tmp_path):
     sequence = longest + 4
     capacity = vllm_config.cache_config.num_gpu_blocks * vllm_config.cache_config.block_size
     # Each sequence's last block is partly empty: the plan rounds every sequence up to whole blocks.
-    planned = kv_cache_bytes(1, max_num_seqs, sequence)
-    assert max_num_seqs * sequence <= capacity <= planned + vllm_config.cache_config.block_size
+    planned = kv_cache_bytes(1, batch, sequence)
+    assert batch * sequence <= capacity <= planned + vllm_config.cache_config.block_size
 
 
 def test_default_job_learns(tmp_path, cpu_gemm_route):

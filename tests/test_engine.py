@@ -54,7 +54,7 @@ def test_the_kv_cache_is_sized_for_keys_and_values_of_every_layer_and_token():
     config = AutoConfig.from_pretrained(path)
     head_dim = config.hidden_size // config.num_attention_heads
     bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # keys, values; bf16
-    spec = standalone_engine(path, VLLMConfig(max_model_len=32), max_num_seqs=8)
+    spec = standalone_engine(path, VLLMConfig(max_model_len=32), generation_batch=8)
     # 32 tokens: rounded up to 64, plus a spare 64-token block for the partly filled last block.
     assert (
         spec.kv_cache_bytes
@@ -94,8 +94,8 @@ def test_an_engine_for_other_settings_is_refused_by_name_where_one_sleep_mode_en
 
 
 def test_an_engine_built_for_a_smaller_batch_says_so_and_is_reused_with_a_warning_on_a_gpu(engine, monkeypatch, caplog):
-    def batch(max_num_seqs, sequence_tokens):
-        return dataclasses.replace(engine.spec, max_num_seqs=max_num_seqs, sequence_tokens=sequence_tokens)
+    def batch(generation_batch, sequence_tokens):
+        return dataclasses.replace(engine.spec, generation_batch=generation_batch, sequence_tokens=sequence_tokens)
 
     monkeypatch.setattr(engine, "spec", batch(4, 16))
     assert engine.spec.batch_shortfall(batch(4, 16)) is None and engine.spec.batch_shortfall(batch(2, 8)) is None

@@ -90,11 +90,11 @@ def test_the_kv_cache_and_activations_are_sized_by_the_longest_prompt():
 
 
 def test_the_kv_cache_holds_one_sequence_of_max_model_len_however_short_the_prompts():
-    # vLLM does not start with less: 64 sequences (the least the engine takes) of 32 + 256 tokens are fewer
-    # than one of 32768.
+    # vLLM does not start with less: the generation batch, 8 sequences of 32 + 256 tokens, are fewer than one of
+    # 32768.
     config = load_config({"vllm": {"max_model_len": 32768}, "micro_batch_size": 8, "gradient_accumulation_steps": 1})
     plan = gpu_plan(config, free=80 * GIB, total=80 * GIB, longest_prompt=32)
-    assert plan.kv_cache == kv_cache_bytes(BYTES_PER_TOKEN, 1, 32768) > kv_cache_bytes(BYTES_PER_TOKEN, 64, 32 + 256)
+    assert plan.kv_cache == kv_cache_bytes(BYTES_PER_TOKEN, 1, 32768) > kv_cache_bytes(BYTES_PER_TOKEN, 8, 32 + 256)
 
 
 def test_an_adapter_served_on_the_shared_base_needs_no_merge_record():

@@ -92,12 +92,14 @@ def test_steps_per_generation_sizes_the_engine_batch_and_the_kv_cache_together()
 
     once = plan({})
     four = plan({"trl": {"steps_per_generation": 4}})
-    assert once.engine.max_num_seqs == MIN_NUM_SEQS and four.engine.max_num_seqs == 4 * 32
+    # vLLM's batch limit is at least MIN_NUM_SEQS (its warm-up needs it); the KV cache holds the generation batch.
+    assert (once.engine.generation_batch, once.engine.max_num_seqs) == (32, MIN_NUM_SEQS)
+    assert (four.engine.generation_batch, four.engine.max_num_seqs) == (4 * 32, 4 * 32)
     tokens = 512 + 256
     for run in (once, four):
-        needed = kv_cache_bytes(2 * 2 * 2 * 64 * 2, run.engine.max_num_seqs, tokens, tokens)
+        needed = kv_cache_bytes(2 * 2 * 2 * 64 * 2, run.engine.generation_batch, tokens, tokens)
         assert run.engine.kv_cache_bytes == run.memory.kv_cache == needed
-    assert four.memory.kv_cache == 2 * once.memory.kv_cache  # 128 sequences where 64 were
+    assert four.memory.kv_cache == 4 * once.memory.kv_cache  # 128 sequences where 32 were
 
 
 def test_a_checkpoint_stored_in_fp32_is_planned_at_the_engines_bf16_size(tmp_path):
@@ -126,9 +128,10 @@ def test_a_checkpoint_stored_in_fp32_is_planned_at_the_engines_bf16_size(tmp_pat
 def test_the_plan_is_printed_and_written_as_plain_values():
     plan = check_inputs(load_config(TINY)).plan
     summary = plan.summary()
-    assert summary.startswith("Served as: merge-aware") and f"{plan.engine.max_num_seqs} sequences" in summary
+    assert summary.startswith("Served as: merge-aware") and f"{plan.engine.generation_batch} sequences" in summary
     written = plan.to_dict()
     assert written["serving"] == "merge-aware" and written["engine"]["max_num_seqs"] == plan.engine.max_num_seqs
+    assert written["engine"]["generation_batch"] == plan.engine.generation_batch
     assert dataclasses.is_dataclass(plan) and (plan.memory is None) is (plan.device == "cpu")  # a GPU's memory
 
 
