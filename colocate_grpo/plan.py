@@ -123,14 +123,13 @@ class EngineSpec:
     def batch_shortfall(self, wanted: EngineSpec) -> str | None:
         """What keeps an engine built for this spec from generating ``wanted``'s batch in one pass, in words."""
         shortfalls = []
-        # A KV cache sized for the batch holds its sequences at full length; one sized by the memory fraction, vLLM's
-        # batch limit.
+        # A KV cache sized for the batch holds that many sequences, of that length; else vLLM's batch limit counts.
         sized_by_batch = self.options.kv_cache == "batch"
         at_once = self.generation_batch if sized_by_batch else self.max_num_seqs
         wanted_at_once = wanted.generation_batch if sized_by_batch else wanted.max_num_seqs
         if wanted_at_once > at_once:
             shortfalls.append(f"{wanted_at_once} sequences at once where it generates {at_once}")
-        cache_sized = self.options.kv_cache == "batch" and wanted.sequence_tokens and self.sequence_tokens
+        cache_sized = sized_by_batch and wanted.sequence_tokens and self.sequence_tokens
         if cache_sized and wanted.sequence_tokens > self.sequence_tokens:
             shortfalls.append(
                 f"sequences of {wanted.sequence_tokens} tokens where its KV cache holds {self.sequence_tokens}"
