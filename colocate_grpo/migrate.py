@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from colocate_grpo.config import OWN_TRL_KEYS, Config, DatasetConfig, VLLMConfig
+from colocate_grpo.config import OWN_TRL_KEYS, TRL_DEFAULTS, Config, DatasetConfig, VLLMConfig
 
 # GRPOConfig fields that our top level or vllm: block holds; a trl: key of one of these names is moved there.
 TRL_KEYS_WITH_A_PLACE: dict[str, str] = {
@@ -127,6 +127,23 @@ _OPEN_R1_REWARD = (
     "(trl.reward_funcs). Remove it, and give your reward its parameters in its own module."
 )
 
+# Unsloth's from_pretrained and get_peft_model arguments: a config with one of them is an Unsloth notebook's.
+UNSLOTH_ARGUMENTS: dict[str, _Rule] = {
+    "model_name": _to("base_model"),
+    "max_seq_length": _to("vllm.max_model_len"),
+    "gpu_memory_utilization": _to("vllm.gpu_memory_utilization"),
+    "fast_inference": _dropped_if(
+        (None, True), "a run always generates with the colocated vLLM engine (Unsloth's fast_inference). Remove it."
+    ),
+    "max_lora_rank": _dropped_if(("any",), "", "the engine's LoRA rank follows lora_r"),
+    "full_finetuning": _to("adapter", _adapter_for_full_finetuning),
+    "r": _to("lora_r"),
+    "target_modules": _to("lora_target_modules"),
+    "use_gradient_checkpointing": _to("gradient_checkpointing", _gradient_checkpointing),
+    "random_state": _to("seed"),
+    "bias": _dropped_if((None, "none"), "LoRA biases are not served by the engine. Remove it."),
+    "loftq_config": _refused("LoftQ initialisation is not supported: LoRA starts from zero. Remove it."),
+}
 # Top-level keys of the other tools' configs, by what they become here.
 FOREIGN_KEYS: dict[str, _Rule] = {
     # TRL's ModelConfig and ScriptArguments (flat TRL CLI / open-r1 YAMLs).
@@ -250,21 +267,7 @@ FOREIGN_KEYS: dict[str, _Rule] = {
     "tokenizer_type": _dropped_if(("any",), ""),
     "local_rank": _dropped_if(("any",), ""),
     "debug": _dropped_if((None, False), "Remove it."),
-    # Unsloth's from_pretrained and get_peft_model arguments.
-    "model_name": _to("base_model"),
-    "max_seq_length": _to("vllm.max_model_len"),
-    "gpu_memory_utilization": _to("vllm.gpu_memory_utilization"),
-    "fast_inference": _dropped_if(
-        (None, True), "a run always generates with the colocated vLLM engine (Unsloth's fast_inference). Remove it."
-    ),
-    "max_lora_rank": _dropped_if(("any",), "", "the engine's LoRA rank follows lora_r"),
-    "full_finetuning": _to("adapter", _adapter_for_full_finetuning),
-    "r": _to("lora_r"),
-    "target_modules": _to("lora_target_modules"),
-    "use_gradient_checkpointing": _to("gradient_checkpointing", _gradient_checkpointing),
-    "random_state": _to("seed"),
-    "bias": _dropped_if((None, "none"), "LoRA biases are not served by the engine. Remove it."),
-    "loftq_config": _refused("LoftQ initialisation is not supported: LoRA starts from zero. Remove it."),
+    **UNSLOTH_ARGUMENTS,
 }
 # Keys of Axolotl's vllm: block that start a server; the rest are ours by the same name.
 _AXOLOTL_SERVER_KEYS = ("host", "port", "tensor_parallel_size", "data_parallel_size", "served_model_name")
@@ -488,8 +491,32 @@ def _implied(raw: dict[str, Any], result: Translation, dataset_mapped: bool) -> 
         _put(result, "lora_target_linear", True, "lora_target_modules: all-linear")
     elif modules is not None and "lora_target_linear" not in out:
         out["lora_target_linear"] = False
+    if any(key in raw for key in UNSLOTH_ARGUMENTS):
+        _unsloth_generation_batch(result)
     # TRL trains for num_train_epochs when max_steps is not set; ours counts steps unless max_steps is -1.
     trl = out.get("trl")
     if isinstance(trl, dict) and "num_train_epochs" in trl and "max_steps" not in out:
         out["max_steps"] = -1
         result.moved.append("num_train_epochs without max_steps -> max_steps: -1")
+
+
+def _unsloth_generation_batch(result: Translation) -> None:
+    """Unsloth's GRPOConfig raises ``per_device_train_batch_size`` to ``num_generations`` where the generation batch
+    (it times ``gradient_accumulation_steps``) is not a multiple of it: its notebooks write 1 with 6 generations.
+    TRL refuses such a batch (each prompt's completions are scored as one group), and so does a TRL config here."""
+    out = result.raw
+    trl = out.get("trl") if isinstance(out.get("trl"), dict) else {}
+    if "steps_per_generation" in trl or "generation_batch_size" in trl:
+        return  # Unsloth leaves the batch alone then, and so does TRL's check
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    micro = out.get("micro_batch_size", defaults["micro_batch_size"])
+    accumulation = out.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+    generations = trl.get("num_generations", TRL_DEFAULTS["num_generations"])
+    counts = (micro, accumulation, generations)
+    if not all(type(n) is int and n > 0 for n in counts) or micro * accumulation % generations == 0:
+        return  # the schema reports a bad value; a batch of whole groups stays as written
+    out["micro_batch_size"] = generations
+    result.moved.append(
+        f"micro_batch_size {micro} -> {generations} (as Unsloth runs it: a generation batch of whole groups of "
+        "num_generations)"
+    )

@@ -219,7 +219,7 @@ def unsloth_arguments(data: Path, out: Path, rewards: str) -> dict:
         "lr_scheduler_type": "cosine",
         "optim": "adamw_torch",
         "logging_steps": 1,
-        "per_device_train_batch_size": 8,
+        "per_device_train_batch_size": 1,  # as the notebooks write it: Unsloth raises it to num_generations
         "gradient_accumulation_steps": 1,
         "num_generations": 4,
         "max_prompt_length": 32,
@@ -283,9 +283,24 @@ def test_the_mapping_of_each_source(tmp_path):
     assert flat.vllm.gpu_memory_utilization == 0.3 and flat.lora_target_linear is True
     unsloth = load_config(unsloth_arguments(data, out, "r"))
     assert unsloth.lora_r == 8 and unsloth.seed == 3407 and unsloth.gradient_checkpointing is True
+    assert unsloth.micro_batch_size == 4  # per_device_train_batch_size 1, raised to num_generations as Unsloth does
     assert unsloth.vllm.max_model_len == 64 and unsloth.vllm.gpu_memory_utilization == 0.5
     args = grpo_args(unsloth, "cpu", torch.bfloat16)
     assert args.optim == "adamw_torch" and args.max_grad_norm == 0.1 and args.lr_scheduler_type == "cosine"
+
+
+def test_an_unsloth_notebooks_batch_of_one_runs_as_unsloth_runs_it_and_a_trl_configs_is_refused_as_trl_does(caplog):
+    notebook = {"model_name": "tiny", "per_device_train_batch_size": 1, "num_generations": 6}
+    with caplog.at_level("WARNING", logger="colocate_grpo"):
+        config = load_config(notebook)
+    assert (config.micro_batch_size, config.gradient_accumulation_steps) == (6, 1)
+    assert "micro_batch_size 1 -> 6 (as Unsloth runs it" in caplog.text
+    # A whole number of groups, or TRL's own batch keys, stay as written.
+    assert load_config({**notebook, "gradient_accumulation_steps": 6}).micro_batch_size == 1
+    with pytest.raises(ConfigError, match="must be a multiple of trl.num_generations"):
+        load_config({**notebook, "steps_per_generation": 1})
+    with pytest.raises(ConfigError, match="must be a multiple of trl.num_generations"):
+        load_config({"model_name_or_path": "tiny", "per_device_train_batch_size": 1, "num_generations": 6})
 
 
 def check_cli(tmp_path: Path, text: str, capsys) -> tuple[int, str]:
