@@ -152,6 +152,17 @@ EXPERIMENTS = {
             learning_rate=3e-5,
         ),
         Experiment(
+            "allocator",
+            "training",
+            "The user's config with torch's expandable segments against without, on the whole card: the allocator's "
+            "reserved against allocated peak by phase, its retries, the step (at 1.5B a run reserved up to 78.9 GiB "
+            "in training for 52 GiB of tensors, and retried)",
+            shapes=("1.5B", "7B"),
+            kinds=("user", "user-expandable"),
+            steps=6,
+            # No CPU check: the setting is CUDA's allocator's.
+        ),
+        Experiment(
             "stock-4bit",
             "training",
             "Stock TRL on an NF4 base against the user's load_in_4bit: true",

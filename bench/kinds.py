@@ -15,7 +15,8 @@ Kinds:
   batch keys, nothing else); ``user-merged``, ``user-adapter``, ``user-4bit``, ``user-fp32-head`` add the one
   key that serves the policy another way or computes the logits in fp32, and ``user-no-grouping``,
   ``user-checkpointing``, ``user-adamw-unfused`` the one that turns a training option off, ``user-liger`` the one that
-  patches Liger's RMSNorm, SwiGLU and RoPE kernels into the trainer's model (``USER_KEYS``).
+  patches Liger's RMSNorm, SwiGLU and RoPE kernels into the trainer's model (``USER_KEYS``); ``user-expandable`` is
+  the user's config in a process whose torch allocator has expandable segments on.
 - ``ours``, ``ours-ma``, ``ours-adapter``: ``ColocateGRPOTrainer`` with stock's PEFT model and TRL arguments:
   ordinary LoRA merged, merge-aware LoRA, and the adapter served by vLLM's LoRA kernels.
 - ``unsloth``, ``unsloth-4bit``: Unsloth's patched ``GRPOTrainer`` as its GRPO notebooks run it (fast inference,
@@ -119,6 +120,7 @@ USER_KEYS: dict[str, dict[str, Any]] = {
     "user-bitwise": {"trl": {"vllm_bitwise_logprobs": True}},
     "user-async": {"async_generation": True},
     "user-seed1": {"seed": 1},
+    "user-expandable": {},  # the config as it is; the kind's environment changes torch's allocator
 }
 
 
@@ -348,6 +350,13 @@ KINDS: dict[str, Kind] = {
         "user-async", "user + async_generation: true (the next batch generates while this one trains)", build_user
     ),
     "user-seed1": Kind("user-seed1", "user + seed: 1 (another draw of the run: the run-to-run spread)", build_user),
+    "user-expandable": Kind(
+        "user-expandable",
+        "user with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torch's allocator grows segments in place "
+        "instead of caching blocks of many sizes; vLLM turns it off around its sleep-mode pool)",
+        build_user,
+        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    ),
     "ours": Kind("ours", "ColocateGRPOTrainer with stock's PEFT model and TRL arguments", build_ours),
     "ours-ma": Kind("ours-ma", "ours with merge-aware LoRA", build_ours),
     "ours-adapter": Kind("ours-adapter", "ours with the adapter served by vLLM's LoRA kernels", build_ours),
