@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from workload import COMPLETION_TOKENS, GENERATION_BATCH, REWARD
+from workload import COMPLETION_TOKENS, GENERATION_BATCH, PROMPT_TOKENS, REWARD
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,13 @@ class Experiment:
     """One named experiment.
 
     ``steps``: optimizer steps a training run takes; ``micro_batch``: sequences per forward and backward (of the
-    64 a step generates); ``card_gib``: a simulated card's GiB (None: the whole device); ``cards``: the simulated
-    cards a frontier searches, in GiB; ``ranks``: the GPU counts of a data-parallel experiment (one run each);
-    ``together``: run the kinds side by side on the device (for what does not depend on time, such as the
-    mismatch over a long run); ``completion_lengths``: a frontier over completion lengths (the longest that runs
-    on ``card_gib``) instead of over ``cards``; ``profile_step``: the step whose CUDA kernels the profiler records
-    in each training run (its busy time by stream, and the time kernels of two streams ran at once); ``reward``: the
-    reward function's name in ``workload``.
+    ``generation_batch`` a step generates: 64, 8 prompts of 8, unless set); ``card_gib``: a simulated card's GiB
+    (None: the whole device); ``cards``: the simulated cards a frontier searches, in GiB; ``ranks``: the GPU
+    counts of a data-parallel experiment (one run each); ``together``: run the kinds side by side on the device
+    (for what does not depend on time, such as the mismatch over a long run); ``completion_lengths``: a frontier
+    over completion lengths (the longest that runs on ``card_gib``) instead of over ``cards``; ``profile_step``:
+    the step whose CUDA kernels the profiler records in each training run (its busy time by stream, and the time
+    kernels of two streams ran at once); ``reward``: the reward function's name in ``workload``.
     """
 
     name: str
@@ -35,6 +35,7 @@ class Experiment:
     kinds: tuple[str, ...] = ("stock", "user")
     steps: int = 6
     micro_batch: int = GENERATION_BATCH
+    generation_batch: int = GENERATION_BATCH
     completion_tokens: int = COMPLETION_TOKENS
     card_gib: float | None = None
     cards: tuple[float, ...] = ()
@@ -161,6 +162,32 @@ EXPERIMENTS = {
             kinds=("user", "user-expandable"),
             steps=6,
             # No CPU check: the setting is CUDA's allocator's.
+        ),
+        Experiment(
+            "published-32B",
+            "training",
+            "Unsloth's published frontier, the 16-bit LoRA: a Qwen3-32B shape at 6,144 tokens of context on an 80 GB "
+            "H100, with the user's config and one prompt of 8 completions a step (the model takes 65 GB of disk)",
+            shapes=("32B",),
+            kinds=("user",),
+            # One step, the point being that it runs: 8 completions of 6,112 tokens decode for minutes at 32B.
+            steps=1,
+            micro_batch=8,
+            generation_batch=8,
+            completion_tokens=6144 - PROMPT_TOKENS,
+            # No CPU check: the shape is the point, and it needs an 80 GB GPU.
+        ),
+        Experiment(
+            "published-8B-4bit",
+            "training",
+            "Unsloth's published frontier, the 4-bit base: a Llama 3.1 8B shape at 47,500 tokens of context on an "
+            "80 GB H100, with load_in_4bit: true and one prompt of 8 completions a step",
+            shapes=("Llama8B",),
+            kinds=("user-4bit",),
+            steps=1,  # 47,468 decode steps: about 5 minutes on an H100
+            micro_batch=8,
+            generation_batch=8,
+            completion_tokens=47500 - PROMPT_TOKENS,
         ),
         Experiment(
             "stock-4bit",

@@ -71,7 +71,8 @@ class RunSpec:
     ``stop_at``: stop after the first step that ends past this time (``time.time()``; run.py's ``--time-limit``);
     ``learning_rate`` None: 1e-5 (the user's config leaves it to the default, also 1e-5); ``profile_step``: the
     step (from 1) whose CUDA kernels the profiler records, for :func:`kernel_overlap` (None: no profile);
-    ``reward``: the reward function's name in ``workload``.
+    ``reward``: the reward function's name in ``workload``; ``generation_batch``: sequences a step
+    (``NUM_GENERATIONS`` a prompt).
     """
 
     experiment: str
@@ -81,6 +82,7 @@ class RunSpec:
     workdir: str
     steps: int
     micro_batch: int = GENERATION_BATCH
+    generation_batch: int = GENERATION_BATCH
     completion_tokens: int = COMPLETION_TOKENS
     card_gib: float | None = None
     learning_rate: float | None = None
@@ -136,6 +138,7 @@ def build_user(spec: RunSpec) -> tuple[Any, Any]:
         spec.completion_tokens,
         USER_KEYS[spec.kind],
         reward=spec.reward,
+        generation_batch=spec.generation_batch,
     )
     if spec.learning_rate is not None:
         config["learning_rate"] = spec.learning_rate
@@ -148,7 +151,7 @@ def batch_args(spec: RunSpec) -> dict[str, Any]:
     return dict(
         output_dir=str(Path(spec.workdir) / RUN_DIR),
         per_device_train_batch_size=spec.micro_batch,
-        gradient_accumulation_steps=GENERATION_BATCH // spec.micro_batch,
+        gradient_accumulation_steps=spec.generation_batch // spec.micro_batch,
         num_generations=NUM_GENERATIONS,
         max_completion_length=spec.completion_tokens,
         learning_rate=1e-5 if spec.learning_rate is None else spec.learning_rate,
@@ -824,7 +827,7 @@ def run_kind(spec: RunSpec) -> dict[str, Any]:
             "phase_s": {p: median([s.get("phases", {}).get(p, {}).get("s", 0.0) for s in measured]) for p in PHASES},
             "overhead_share": median([s.get("overhead_s", 0.0) / s["step_s"] for s in measured]),
             # Completions generated and trained a second, over every rank.
-            "samples_per_s": spec.ranks * GENERATION_BATCH / step_s if step_s else None,
+            "samples_per_s": spec.ranks * spec.generation_batch / step_s if step_s else None,
             "steps_run": len(steps),
         },
         "memory": {

@@ -294,6 +294,7 @@ def training_specs(experiment: Experiment, session: Session, shape: str, ranks: 
                 workdir=str(session.models / "runs" / f"{experiment.name}-{shape}-{kind}-{ranks}"),
                 steps=experiment.steps,
                 micro_batch=experiment.micro_batch,
+                generation_batch=experiment.generation_batch,
                 completion_tokens=TINY_COMPLETION_TOKENS if shape == "tiny" else experiment.completion_tokens,
                 card_gib=experiment.card_gib,
                 learning_rate=experiment.learning_rate,

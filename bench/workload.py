@@ -1,8 +1,8 @@
 """The benchmarks' models, prompts, reward and the plain config a user writes: built locally, no download.
 
-Shapes are Qwen2.5's dimensions (``QWEN25``) and Qwen3 1.7B's (``QWEN3``: q/k norms, heads of 128) with random bf16
-weights and a tokenizer of one token a word (:func:`words_tokenizer`); ``tiny`` is colocate_grpo's
-0.3M-parameter model (the CPU checks). A shape
+Shapes are Qwen2.5's dimensions (``QWEN25``), Qwen3 1.7B's and 32B's (``QWEN3``: q/k norms, heads of 128) and
+Llama 3.1 8B's (``LLAMA31``) with random bf16 weights and a tokenizer of one token a word
+(:func:`words_tokenizer`); ``tiny`` is colocate_grpo's 0.3M-parameter model (the CPU checks). A shape
 ending in ``-sharp`` has its head scaled so that its next-token distributions are as sharp as a trained
 model's; one ending in ``-stops`` ends a completion with about ``STOP_RATE`` a token, so that completions
 have varied lengths, as a trained model's do (see :func:`build_model`).
@@ -67,8 +67,28 @@ QWEN3 = {
         head_dim=128,
         vocab_size=151936,
     ),
+    "32B": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
 }
-DIMENSIONS = QWEN25 | QWEN3
+# Llama 3.1 8B's dimensions (its own head, no biases; Qwen's shapes have q, k and v biases).
+LLAMA31 = {
+    "Llama8B": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+}
+DIMENSIONS = QWEN25 | QWEN3 | LLAMA31
 SHARP = "-sharp"
 SHARP_LOGIT_STD = 8.0
 STOPS = "-stops"
@@ -93,15 +113,16 @@ def base_shape(shape: str) -> str:
 
 
 def layer_linears(dims: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """(out, in) of each linear of one decoder layer of a Qwen2 with these dimensions (a ``QWEN25`` entry or a
+    """(out, in) of each linear of one decoder layer of a model with these dimensions (a ``DIMENSIONS`` entry or a
     config's ``to_dict()``), by its name in the layer: q, k, v, o, gate, up, down."""
     hidden, inter = dims["hidden_size"], dims["intermediate_size"]
-    kv = hidden // dims["num_attention_heads"] * dims["num_key_value_heads"]
+    head = dims.get("head_dim") or hidden // dims["num_attention_heads"]
+    query, kv = head * dims["num_attention_heads"], head * dims["num_key_value_heads"]
     return {
-        "self_attn.q_proj": (hidden, hidden),
+        "self_attn.q_proj": (query, hidden),
         "self_attn.k_proj": (kv, hidden),
         "self_attn.v_proj": (kv, hidden),
-        "self_attn.o_proj": (hidden, hidden),
+        "self_attn.o_proj": (hidden, query),
         "mlp.gate_proj": (inter, hidden),
         "mlp.up_proj": (inter, hidden),
         "mlp.down_proj": (hidden, inter),
@@ -191,14 +212,16 @@ def words_tokenizer(vocab_size: int) -> Any:
 
 
 def shape_config(shape: str) -> PretrainedConfig:
-    """The Hugging Face config of the random-weight Qwen2 (Qwen3 for a ``QWEN3`` shape) of ``shape`` (an untied
-    head)."""
-    from transformers import Qwen2Config, Qwen3Config
+    """The Hugging Face config of the random-weight Qwen2 (Qwen3 for a ``QWEN3`` shape, Llama for a ``LLAMA31`` one)
+    of ``shape`` (an untied head)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    config_class = Qwen3Config if base_shape(shape) in QWEN3 else Qwen2Config
+    family = base_shape(shape)
+    config_class = Qwen3Config if family in QWEN3 else LlamaConfig if family in LLAMA31 else Qwen2Config
     return config_class(
-        **DIMENSIONS[base_shape(shape)],
-        max_position_embeddings=32768,  # Qwen2.5's context: the completion frontier goes long
+        **DIMENSIONS[family],
+        # Qwen2.5's context (the completion frontier goes long), Llama 3.1's.
+        max_position_embeddings=131072 if family in LLAMA31 else 32768,
         tie_word_embeddings=False,
         eos_token_id=0,
         bos_token_id=0,
@@ -209,7 +232,7 @@ def shape_config(shape: str) -> PretrainedConfig:
 def build_model(shape: str, models: Path) -> str:
     """The directory of ``shape``'s model, built in ``models/<shape>`` unless it is there already.
 
-    A random-weight bf16 Qwen2 (Qwen3 for a ``QWEN3`` shape) with a tokenizer of one token a word
+    A random-weight bf16 model of :func:`shape_config` with a tokenizer of one token a word
     (:func:`words_tokenizer`); ``tiny`` is colocate_grpo's tiny model. A shape ending in ``-sharp`` (``1.5B-sharp``)
     has its head scaled so that the logits' standard deviation is ``SHARP_LOGIT_STD``: a random model's next-token
     distributions are near uniform (entropy 11.2 nats of at most 11.9), a trained model's are sharp, and the head's
@@ -293,11 +316,12 @@ def user_config(
     extra: Mapping[str, Any] | None = None,
     prompts: list[str] | None = None,
     reward: str = REWARD,
+    generation_batch: int = GENERATION_BATCH,
 ) -> dict[str, Any]:
     """The config a user writes for this benchmark: model, dataset, reward and batch keys, all else default,
     plus ``extra`` (the one key that picks another way of serving the policy, say; its ``trl`` block merges
-    into the config's). The prompts (by default :func:`benchmark_prompts`) are written to
-    ``directory``/prompts.jsonl."""
+    into the config's). ``generation_batch`` sequences a step, ``NUM_GENERATIONS`` a prompt. The prompts (by
+    default :func:`benchmark_prompts`) are written to ``directory``/prompts.jsonl."""
     directory.mkdir(parents=True, exist_ok=True)
     data = directory / "prompts.jsonl"
     prompts = benchmark_prompts(model_path) if prompts is None else prompts
@@ -309,7 +333,7 @@ def user_config(
         "task": None,
         "dataset": {"path": str(data), "chat": False},
         "micro_batch_size": micro_batch,
-        "gradient_accumulation_steps": GENERATION_BATCH // micro_batch,
+        "gradient_accumulation_steps": generation_batch // micro_batch,
         "max_steps": steps,
         **{key: value for key, value in extra.items() if key != "trl"},
         "trl": {
