@@ -348,6 +348,8 @@ def translate(raw: dict[str, Any]) -> Translation:
             continue
         if key == "datasets":
             dataset_mapped |= _datasets(value, result)
+        elif key == "vllm_sampling_params":
+            _sampling_params(value, result)
         elif key in FOREIGN_KEYS:
             dataset_mapped |= _apply(key, value, FOREIGN_KEYS[key], result)
         elif key in ("bf16", "fp16", "tf32") and value in ("auto", None):
@@ -438,6 +440,24 @@ def _trl_block(trl: dict[str, Any], result: Translation, grpo: dict[str, Any], o
             else:
                 translated.append(entry)
         trl["reward_funcs"] = translated
+
+
+def _sampling_params(value: Any, result: Translation) -> None:
+    """Unsloth's ``GRPOConfig(vllm_sampling_params=SamplingParams(...))``, its arguments as a mapping: TRL's
+    ``generation_kwargs``, which TRL hands to vLLM's ``SamplingParams`` as Unsloth does, but its ``seed``."""
+    if not isinstance(value, dict):
+        result.problems.append(
+            "'vllm_sampling_params' is read as a mapping of vLLM SamplingParams arguments (min_p: 0.1, stop: [...]): "
+            "write it so, or give them as 'trl.generation_kwargs'."
+        )
+        return
+    arguments = dict(value)
+    if arguments.pop("seed", None) is not None:
+        result.dropped.append(
+            "vllm_sampling_params.seed (TRL asks vLLM for each completion on its own: one seed would make a "
+            "prompt's completions the same; the run's seed seeds the engine)"
+        )
+    _put(result, "trl.generation_kwargs", value, "vllm_sampling_params", converted=arguments)
 
 
 def _datasets(value: Any, result: Translation) -> bool:

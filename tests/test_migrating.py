@@ -211,6 +211,14 @@ def unsloth_arguments(data: Path, out: Path, rewards: str) -> dict:
         # load_dataset(...)
         "dataset_name": str(data),
         # GRPOConfig(...)
+        "vllm_sampling_params": {  # SamplingParams(...) in the notebooks
+            "min_p": 0.1,
+            "top_p": 1.0,
+            "top_k": -1,
+            "seed": 3407,
+            "stop": ["\n\n"],
+            "include_stop_str_in_output": True,
+        },
         "learning_rate": 5e-6,
         "adam_beta1": 0.9,
         "adam_beta2": 0.99,
@@ -284,6 +292,14 @@ def test_the_mapping_of_each_source(tmp_path):
     unsloth = load_config(unsloth_arguments(data, out, "r"))
     assert unsloth.lora_r == 8 and unsloth.seed == 3407 and unsloth.gradient_checkpointing is True
     assert unsloth.micro_batch_size == 4  # per_device_train_batch_size 1, raised to num_generations as Unsloth does
+    # vLLM's sampling arguments, but the seed: TRL asks for each completion on its own, one seed would repeat them.
+    assert unsloth.trl["generation_kwargs"] == {
+        "min_p": 0.1,
+        "top_p": 1.0,
+        "top_k": -1,
+        "stop": ["\n\n"],
+        "include_stop_str_in_output": True,
+    }
     assert unsloth.vllm.max_model_len == 64 and unsloth.vllm.gpu_memory_utilization == 0.5
     args = grpo_args(unsloth, "cpu", torch.bfloat16)
     assert args.optim == "adamw_torch" and args.max_grad_norm == 0.1 and args.lr_scheduler_type == "cosine"
