@@ -487,6 +487,12 @@ def _check_trl_values(c: Config, problems: Problems) -> None:
         value = _number(c.trl.get(key))
         if value is not None and not ok(value):
             problems.add(f"'trl.{key}' {rule}, got {c.trl[key]}.")
+    generation = c.trl.get("generation_kwargs")
+    if isinstance(generation, dict) and generation.get("seed") is not None:
+        problems.add(
+            "'trl.generation_kwargs.seed' would make each prompt's completions the same: TRL asks vLLM for each "
+            "completion on its own, each sampled from that seed. Remove it (the run's seed seeds the engine)."
+        )
     weights = c.trl.get("reward_weights")
     if isinstance(weights, list) and len(weights) != len(c.reward_funcs):
         problems.add(

@@ -387,6 +387,7 @@ trl:
   loss_type: dr_grpoo
   reward_weights: [1.0, 0.5]
   temperature: -1.0
+  generation_kwargs: {seed: 3407}
   max_completion_length:
   vllm_server_host: 0.0.0.0
 plugins:
@@ -406,6 +407,7 @@ vllm:
         "Did you mean 'dr_grpo'?",
         "'trl.reward_weights' has 2 weights for 1 reward functions",
         "'trl.temperature' must be positive",
+        "'trl.generation_kwargs.seed' would make each prompt's completions the same",
         "'trl.max_completion_length' is empty",
         "'trl.vllm_server_host' is a server-mode setting",
         "'plugins: ['axolotl.integrations.liger.LigerPlugin']' is not supported",
