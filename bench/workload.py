@@ -77,7 +77,7 @@ QWEN3 = {
         vocab_size=151936,
     ),
 }
-# Llama 3.1 8B's dimensions (its own head, no biases; Qwen's shapes have q, k and v biases).
+# Llama 3.1 8B's dimensions (its own head; no q, k and v biases, where Qwen2.5's shapes have them).
 LLAMA31 = {
     "Llama8B": dict(
         hidden_size=4096,
