@@ -245,7 +245,7 @@ EXPERIMENTS = {
             shapes=("1.5B", "7B"),
             kinds=("user", "unsloth", "stock"),
             steps=3,
-            cards=(6, 8, 12, 16, 24, 40),  # Unsloth trains a 1.5B in "about 5 GB" (its GRPO blog post)
+            cards=(6, 8, 12, 16, 20, 24, 40),  # Unsloth trains a 1.5B in "about 5 GB" (its GRPO blog post)
             check={"kinds": ("user",)},
             slow_check=False,
         ),
