@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import traceback
 from collections.abc import Callable
@@ -54,8 +55,8 @@ def model_path(config: Config) -> str:
 
     Raises:
         ConfigError: naming ``base_model`` when it is no model folder, no valid hub id, a model the hub does not
-            have (a typo, or private), a gated one, or one that is not in the local cache while the hub cannot be
-            reached.
+            have (a typo, or private), a gated one, one that is not in the local cache while the hub cannot be
+            reached, or a checkpoint stored quantized.
     """
     if config.base_model == TINY_MODEL_NAME:
         return str(tiny_model_path())
@@ -65,20 +66,41 @@ def model_path(config: Config) -> str:
             f"'base_model: {config.base_model}' is not a model directory (no config.json there). "
             "Give a Hugging Face model folder, a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or 'tiny'."
         )
-    if looks_local:
-        return str(Path(config.base_model).expanduser())
-    _check_hub_model(config.base_model)
-    return config.base_model
+    path = str(Path(config.base_model).expanduser()) if looks_local else config.base_model
+    config_file = Path(path) / "config.json" if looks_local else _hub_config_file(config.base_model)
+    _refuse_stored_quantization(config.base_model, config_file)
+    return path
 
 
-def _check_hub_model(repo_id: str) -> None:
-    """Refuse a hub id whose config cannot be had (from the cache, or the hub where it can be reached)."""
+def _refuse_stored_quantization(base_model: str, config_file: Path) -> None:
+    """Refuse a checkpoint stored quantized (its config's ``quantization_config``: Unsloth's ``-bnb-4bit`` uploads,
+    GPTQ, AWQ, FP8). The engine and the trainer compute with the same weights: a merge-aware LoRA merges into the
+    checkpoint's bf16 values, and a 4-bit base is quantized from them as the run loads (``load_in_4bit``), the
+    trainer and the engine alike."""
+    try:
+        quantization = json.loads(config_file.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # a config no one can read: the tokenizer's and the model's loaders say what is wrong with it
+    if not quantization:
+        return
+    method = quantization.get("quant_method", "a quantization") if isinstance(quantization, dict) else "a quantization"
+    raise ConfigError(
+        f"'base_model: {base_model}' is stored quantized ({method}, its config.json's quantization_config): a run "
+        "trains and serves the checkpoint's bf16 weights. Give the unquantized checkpoint (for Unsloth's uploads, "
+        "the name without '-bnb-4bit' or '-unsloth-bnb-4bit'), with 'load_in_4bit: true' for a 4-bit base: the "
+        "run quantizes it as it loads, as QLoRA and vLLM do."
+    )
+
+
+def _hub_config_file(repo_id: str) -> Path:
+    """The config file of a hub id (from the cache, or the hub where it can be reached); refuses a hub id whose
+    config cannot be had."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
     key = f"'base_model: {repo_id}'"
     try:
-        hf_hub_download(repo_id, "config.json")
+        return Path(hf_hub_download(repo_id, "config.json"))
     except HFValidationError:
         raise ConfigError(
             f"{key} is neither a model folder here nor a valid hub id (owner/name). Give a model folder, a hub id "

@@ -527,6 +527,20 @@ def test_unloadable_models_and_empty_values_exit_2(tmp_path, capsys, text, fragm
     assert not (tmp_path / "out").exists()
 
 
+def test_a_checkpoint_stored_quantized_is_refused_with_the_unquantized_one_as_the_fix(tmp_path, capsys):
+    from colocate_grpo.tiny import tiny_model_path
+
+    stored = tmp_path / "tiny-bnb-4bit"  # as Unsloth uploads its 4-bit models
+    stored.mkdir()
+    config = json.loads((tiny_model_path() / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (stored / "config.json").write_text(json.dumps(config))
+    code, err = check_cli(tmp_path, f"output_dir: out\nbase_model: {stored}\n", capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"'base_model: {stored}' is stored quantized (bitsandbytes" in err and "'load_in_4bit: true'" in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     ("source", "fragments"),
     [
