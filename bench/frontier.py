@@ -20,7 +20,7 @@ from typing import Any
 
 from experiments import Experiment
 from kinds import USER_KEYS
-from workload import COMPLETION_TOKENS, PROMPT_TOKENS, shape_config, user_config
+from workload import COMPLETION_TOKENS, GENERATION_BATCH, PROMPT_TOKENS, shape_config, user_config
 
 GIB = 2**30
 
@@ -49,7 +49,13 @@ def config_only(shape: str, models: Path) -> Path:
 
 @functools.cache
 def memory_plan(
-    shape: str, kind: str, card_gib: float, micro_batch: int, models: Path, completion_tokens: int = COMPLETION_TOKENS
+    shape: str,
+    kind: str,
+    card_gib: float,
+    micro_batch: int,
+    models: Path,
+    completion_tokens: int = COMPLETION_TOKENS,
+    generation_batch: int = GENERATION_BATCH,
 ) -> dict[str, Any]:
     """colocate_grpo's memory plan for the user's config of ``kind`` at ``shape`` on a card with ``card_gib``
     GiB free: whether it fits, its peak on the device, the generation's peak and the merge record kept in host
@@ -65,7 +71,16 @@ def memory_plan(
 
     directory = config_only(shape, models)
     with tempfile.TemporaryDirectory() as scratch:
-        raw = user_config(str(directory), Path(scratch), 1, micro_batch, completion_tokens, USER_KEYS[kind], [" a"])
+        raw = user_config(
+            str(directory),
+            Path(scratch),
+            1,
+            micro_batch,
+            completion_tokens,
+            USER_KEYS[kind],
+            [" a"],
+            generation_batch=generation_batch,
+        )
         config = load_config(raw)
         args = grpo_args(config, "cpu", torch.bfloat16)  # the GPU run's settings; the plan is told the device
     card = int(card_gib * GIB)
@@ -123,7 +138,9 @@ def search(
                 if ours:
                     card = value if key == "card_gib" else experiment.card_gib
                     length = value if key == "completion_tokens" else experiment.completion_tokens
-                    plan = memory_plan(shape, kind, card, experiment.micro_batch, models, int(length))
+                    plan = memory_plan(
+                        shape, kind, card, experiment.micro_batch, models, int(length), experiment.generation_batch
+                    )
                 if plan is None or plan["fits"]:
                     result = attempt(shape, kind, value)
                     if plan is not None:
@@ -188,7 +205,9 @@ def print_plan_table(experiment: Experiment, models: Path) -> None:
             for value in values:
                 card = value if key == "card_gib" else experiment.card_gib
                 length = value if key == "completion_tokens" else experiment.completion_tokens
-                plan = memory_plan(shape, kind, card, experiment.micro_batch, models, int(length))
+                plan = memory_plan(
+                    shape, kind, card, experiment.micro_batch, models, int(length), experiment.generation_batch
+                )
                 if plan["fits"]:
                     print(f"| {shape} | {kind} | {value:g} | {plan['peak_gib']:.1f} | {plan['training']} |")
                     break

@@ -429,6 +429,7 @@ def run_frontier(experiment: Experiment, session: Session, resume: bool) -> list
         config = {
             "steps": experiment.steps,
             "micro_batch": experiment.micro_batch,
+            "generation_batch": experiment.generation_batch,
             "card_gib": point.card_gib,
             "completion_tokens": point.completion_tokens,
         }

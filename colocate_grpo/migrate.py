@@ -528,9 +528,8 @@ def _unsloth_generation_batch(result: Translation) -> None:
     trl = out.get("trl") if isinstance(out.get("trl"), dict) else {}
     if "steps_per_generation" in trl or "generation_batch_size" in trl:
         return  # Unsloth leaves the batch alone then, and so does TRL's check
-    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-    micro = out.get("micro_batch_size", defaults["micro_batch_size"])
-    accumulation = out.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+    micro = out.get("micro_batch_size", Config.micro_batch_size)
+    accumulation = out.get("gradient_accumulation_steps", Config.gradient_accumulation_steps)
     generations = trl.get("num_generations", TRL_DEFAULTS["num_generations"])
     counts = (micro, accumulation, generations)
     if not all(type(n) is int and n > 0 for n in counts) or micro * accumulation % generations == 0:
